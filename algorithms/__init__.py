@@ -1,0 +1,25 @@
+"""Denoise algorithms: how one step picks tokens. Importing the package registers all rules."""
+
+from . import fast_dllm_factor, fast_dllm_threshold, fixed_steps, joint_threshold, low_confidence
+from .base import (
+    AlgorithmError,
+    AlgorithmParams,
+    DllmAlgorithm,
+    available_algorithms,
+    get_algorithm,
+    register,
+)
+
+__all__ = [
+    "AlgorithmError",
+    "AlgorithmParams",
+    "DllmAlgorithm",
+    "available_algorithms",
+    "get_algorithm",
+    "register",
+    "fast_dllm_factor",
+    "fast_dllm_threshold",
+    "fixed_steps",
+    "joint_threshold",
+    "low_confidence",
+]

@@ -1,0 +1,103 @@
+"""LLaDA's reference sampler (ML-GSAI/LLaDA ``generate.py``): a fixed number of tokens per step.
+
+At the block's first step the m masks are spread over ``steps`` steps as
+``get_num_transfer_tokens`` does: m // steps each, one more in the first m % steps steps;
+each step fills that many masked positions, the most confident ones. Confidence is the
+token's softmax probability (``remasking="low_confidence"``) or uniform noise
+(``"random"``); tokens are LLaDA's Gumbel-max draw at ``temperature`` (argmax at 0).
+
+LLaDA's ``steps`` counts steps over the whole answer (``steps // num_blocks`` per block);
+here ``steps`` is per block. The default 32 is LLaDA's own example (128 steps, 128 tokens,
+blocks of 32): one token per step for blocks of up to 32 tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from .base import AlgorithmError, AlgorithmParams, DllmAlgorithm, check_number, register
+from .sampling import RowNoise, gumbel_tokens, token_probability, uniform_rows
+from .selection import masked_confidence, per_row, top_n
+
+REMASKING = ("low_confidence", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedStepsParams(AlgorithmParams):
+    steps: int = 32
+    remasking: str = "low_confidence"
+
+    def validate(self) -> None:
+        super().validate()
+        check_number("steps", self.steps, minimum=1, integer=True)
+        if self.remasking not in REMASKING:
+            raise AlgorithmError(f"remasking must be one of {REMASKING}, got {self.remasking!r}")
+
+
+@dataclasses.dataclass
+class FixedStepsState:
+    noise: RowNoise | None
+    initial_masks: int | None = None  # masks in the block at its first step
+    steps_taken: int = 0
+
+
+@register
+class FixedSteps(DllmAlgorithm):
+    name = "fixed_steps"
+    params_class = FixedStepsParams
+
+    def init_state(self, params: FixedStepsParams, block_index: int) -> FixedStepsState:
+        random = params.temperature > 0 or params.remasking == "random"
+        return FixedStepsState(RowNoise.for_block(params.seed, block_index) if random else None)
+
+    def max_steps_per_block(self, params: FixedStepsParams, block_length: int) -> int:
+        # A block with m masks takes min(steps, m) filling forwards, plus the one that sees none.
+        return min(params.steps, block_length) + 1
+
+    def step(
+        self,
+        logits: torch.Tensor,
+        block: torch.Tensor,
+        mask_id: int,
+        params: Sequence[FixedStepsParams],
+        states: Sequence[FixedStepsState],
+    ) -> torch.Tensor:
+        device = block.device
+        masked = block == mask_id
+        remaining = masked.sum(-1)
+        quota = _quota(remaining, params, states)
+
+        noise = [state.noise for state in states]
+        tokens = gumbel_tokens(logits, mask_id, params, noise)
+        confidence = token_probability(logits, tokens)
+        random_rows = [row for row, p in enumerate(params) if p.remasking == "random"]
+        if random_rows:
+            shape = (block.shape[1],)
+            confidence[random_rows] = uniform_rows(noise, random_rows, shape, device, torch.float32)
+
+        chosen = top_n(masked_confidence(confidence, masked), quota)
+        block.copy_(torch.where(chosen, tokens, block))
+        return remaining == 0
+
+
+def _quota(
+    remaining: torch.Tensor, params: Sequence[FixedStepsParams], states: Sequence[FixedStepsState]
+) -> torch.Tensor:
+    """Tokens to fill this step per row, from LLaDA's schedule; advances each row's step count.
+
+    Never 0 while masks remain (should the block hold more masks than the schedule expects).
+    """
+    for state, count in zip(states, remaining.tolist()):
+        if state.initial_masks is None:
+            state.initial_masks = count
+    device = remaining.device
+    initial = per_row(states, "initial_masks", device, torch.long)
+    taken = per_row(states, "steps_taken", device, torch.long)
+    steps = per_row(params, "steps", device, torch.long)
+    for state in states:
+        state.steps_taken += 1
+    scheduled = initial // steps + (taken < initial % steps)
+    return scheduled.clamp(min=1).minimum(remaining)

@@ -1,0 +1,44 @@
+"""Row-wise tensor helpers shared by the rules: per-row parameters and position picking.
+
+Every function works on all rows at once and treats each row on its own, so a row's
+result never depends on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def per_row(
+    values: Sequence[Any], name: str, device: torch.device, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """``[getattr(v, name) for v in values]`` as a 1-D tensor, one entry per row."""
+    return torch.tensor([getattr(v, name) for v in values], dtype=dtype, device=device)
+
+
+def masked_confidence(confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """``confidence`` at masked positions, -inf elsewhere (so those are never picked)."""
+    return confidence.masked_fill(~masked, float("-inf"))
+
+
+def at_least_one(chosen: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+    """``chosen``, or the single most confident position where a row with masks chose none.
+
+    ``confidence`` is -inf outside the masked positions (see ``masked_confidence``); rows
+    without any mask keep an empty choice. Ties go to the lowest position, like argmax.
+    """
+    best = torch.zeros_like(chosen).scatter_(-1, confidence.argmax(-1, keepdim=True), True)
+    best &= confidence.isfinite().any(-1, keepdim=True)
+    return torch.where(chosen.any(-1, keepdim=True), chosen, best)
+
+
+def top_n(confidence: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The ``n[row]`` most confident finite positions of each row (ties: lowest position)."""
+    order = confidence.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(confidence.shape[-1], device=confidence.device).expand_as(order)
+    rank_of = torch.empty_like(order).scatter_(-1, order, ranks)
+    return (rank_of < n.unsqueeze(-1)) & confidence.isfinite()
+

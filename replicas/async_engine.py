@@ -1,0 +1,86 @@
+"""The engine in its own thread, with an asyncio streaming API.
+
+The loop thread steps the engine while it has work and sleeps on an event otherwise.
+Each request's committed blocks are handed to the caller's event loop through an
+``asyncio.Queue``; leaving the iterator early (client disconnect, cancel) aborts the
+request, so its pages are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from replicas.engine import Engine
+from replicas.request import RequestOutput, SamplingParams
+from replicas.stats import StepStats
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, on_step: Callable[[StepStats], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.last_step_time = time.monotonic()  # heartbeat for health checks
+        self._thread = threading.Thread(target=self._loop, name="dllm-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self.last_step_time = time.monotonic()
+            if not engine.has_work():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                stats = engine.step()
+            except Exception:  # the loop must survive anything a step throws
+                log.exception("engine step failed")
+                continue
+            if stats is not None and self.on_step is not None:
+                self.on_step(stats)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Let running requests finish (up to ``drain_timeout`` s), then stop the loop."""
+        deadline = time.monotonic() + drain_timeout
+        while self.engine.has_work() and time.monotonic() < deadline and self.alive:
+            time.sleep(0.01)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield one output per committed block; the last one has ``finished=True``.
+
+        Raises ``RequestError`` before yielding anything if the request is invalid.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def deliver(output: RequestOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, output)
+
+        request_id = self.engine.add_request(prompt, params, request_id, on_output=deliver)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
+                self._wake.set()

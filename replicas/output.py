@@ -1,0 +1,66 @@
+"""Committing a finished block into a request's output: EOS, max_tokens, stop strings, text."""
+
+from __future__ import annotations
+
+import time
+
+from replicas.request import FinishReason, Request, RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_id: int):
+        self.tokenizer = tokenizer
+        self.eos_id = eos_id
+
+    def commit_block(self, request: Request, block_ids: list[int]) -> RequestOutput:
+        """Append a done block to ``request``'s output and say whether it finished."""
+        params = request.params
+        finish = None
+        if not params.ignore_eos and self.eos_id in block_ids:
+            block_ids = block_ids[: block_ids.index(self.eos_id)]
+            finish = FinishReason.STOP
+        room = params.max_tokens - len(request.output_ids)
+        if len(block_ids) >= room:
+            block_ids = block_ids[:room]
+            finish = finish or FinishReason.LENGTH
+        request.output_ids.extend(block_ids)
+        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        stop_at = self._find_stop(text, params.stop, len(request.output_text))
+        if stop_at is not None:
+            text = text[:stop_at]
+            finish = FinishReason.STOP
+        new_text = text[len(request.output_text):]
+        request.output_text = text
+        request.committed_block_steps.append(request.block_steps)
+        now = time.monotonic()
+        if request.first_block_time is None:
+            request.first_block_time = now
+        if finish is not None:
+            request.finish_reason = finish
+            request.finish_time = now
+        return self.snapshot(request, block_ids, new_text)
+
+    @staticmethod
+    def snapshot(request: Request, new_ids: list[int], new_text: str, error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=request.finish_reason is not None,
+            finish_reason=request.finish_reason,
+            error=error,
+            num_prompt_tokens=len(request.prompt_ids),
+            num_output_tokens=len(request.output_ids),
+            num_steps=request.num_steps,
+            block_steps=list(request.committed_block_steps),
+        )
+
+    @staticmethod
+    def _find_stop(text: str, stops: tuple[str, ...], already_checked: int) -> int | None:
+        """Earliest stop string in ``text`` that ends after the already streamed part."""
+        hits = []
+        for stop in stops:
+            at = text.find(stop, max(0, already_checked - len(stop) + 1))
+            if at >= 0:
+                hits.append(at)
+        return min(hits) if hits else None

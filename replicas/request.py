@@ -1,0 +1,103 @@
+"""A generation request: what the user asked for and where it stands in the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from algorithms import AlgorithmParams, DllmAlgorithm
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message says why (the API turns it into a 4xx)."""
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    algorithm: str | None = None  # None: the engine's default
+    algorithm_params: dict[str, Any] = field(default_factory=dict)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise RequestError("stop strings must be non-empty")
+
+
+@dataclass
+class RequestOutput:
+    """What one committed block (or the end) of a request adds, streamed to its caller."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_steps: int = 0  # forwards this request took so far
+    block_steps: list[int] = field(default_factory=list)  # steps of each committed block
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"  # prompt pages still being written (chunked prefill)
+    DENOISE = "denoise"  # an active block is being denoised
+    BLOCK_DONE = "block_done"  # block committed; waits for the round to end (sync/static)
+    FINISHED = "finished"  # output complete; waits for the round to end to release
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    algorithm: DllmAlgorithm
+    algorithm_params: AlgorithmParams
+    block_length: int
+    on_output: Callable[[RequestOutput], None] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    phase: Phase = Phase.WAITING
+    slot: int = -1
+    pages: list[int] = field(default_factory=list)
+    reserved_pages: int = 0
+    prompt_pages: int = 0
+    prompt_done: int = 0  # prompt tokens whose KV is in the cache
+    block_index: int = 0  # index of the active answer block
+    block_steps: int = 0  # forwards of the active block so far
+    algorithm_state: Any = None
+    output_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    committed_block_steps: list[int] = field(default_factory=list)
+    num_steps: int = 0
+    finish_reason: FinishReason | None = None
+    first_block_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def active_segment(self) -> int:
+        """Page index (within the request) of the active block."""
+        return self.prompt_pages + self.block_index
+
+    @property
+    def max_blocks(self) -> int:
+        return -(-self.params.max_tokens // self.block_length)
+
+    def emit(self, output: RequestOutput) -> None:
+        if self.on_output is not None:
+            self.on_output(output)

@@ -1,0 +1,53 @@
+"""Per-step statistics of the engine and their running totals."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepStats:
+    batch_size: int  # rows in the forward (idle baseline rows included)
+    active_rows: int  # rows the algorithm advanced
+    num_tokens: int  # new tokens in the forward
+    forward_s: float
+    step_s: float  # the whole engine step, scheduling and commit included
+    waiting: int  # queue lengths after the step
+    running: int
+    blocks_committed: int
+    block_steps: tuple[int, ...]  # steps taken by each block committed this step
+
+    @property
+    def overhead_s(self) -> float:
+        return self.step_s - self.forward_s
+
+
+@dataclass
+class EngineTotals:
+    """Running totals since the engine started (the metrics exporter reads these)."""
+
+    steps: int = 0
+    forward_s: float = 0.0
+    step_s: float = 0.0
+    tokens: int = 0
+    output_tokens: int = 0
+    blocks_committed: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_failed: int = 0
+    steps_per_block: Counter = field(default_factory=Counter)
+    recent: deque = field(default_factory=lambda: deque(maxlen=1024))
+
+    def record(self, stats: StepStats) -> None:
+        self.steps += 1
+        self.forward_s += stats.forward_s
+        self.step_s += stats.step_s
+        self.tokens += stats.num_tokens
+        self.blocks_committed += stats.blocks_committed
+        self.steps_per_block.update(stats.block_steps)
+        self.recent.append(stats)
+
+    @property
+    def compute_ratio(self) -> float:
+        return self.forward_s / self.step_s if self.step_s else 0.0

@@ -1,0 +1,159 @@
+"""The tiny model's task: batches of 4x4 Sudoku puzzles, one answer block per puzzle.
+
+A request holds k in 1..6 puzzles. Its prompt is a fixed canvas of 7 slots x 16 cells
+(112 tokens, exactly 7 blocks): slot j < k holds puzzle j row-major ('1'-'4' givens,
+'.' blanks) and the other slots are empty ('-' x 16; slot 6 is always empty). The answer
+is one block per puzzle, the solved grid, then a block of 16 EOS (empty slot -> EOS), so
+answer block j sits exactly 112 positions after prompt slot j.
+
+Every puzzle has a unique solution; blank counts run from 0 (a pure copy) to 12 (four
+givens, the fewest a 4x4 Sudoku with a unique solution can have).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+CELLS = 16
+SLOTS = 7
+MAX_PUZZLES = SLOTS - 1
+MAX_BLANKS = 12
+BLANK = "."
+EMPTY = "-"
+HELDOUT_SEED = 20240917
+HELDOUT_REQUESTS = 400
+
+
+@lru_cache(maxsize=1)
+def all_grids() -> torch.Tensor:
+    """Every solved 4x4 Sudoku grid as ``LongTensor[288, 16]`` of digits 1-4, row-major."""
+    rows = list(itertools.permutations(range(1, 5)))
+
+    def fits(grid: tuple, row: tuple) -> bool:
+        r = len(grid)
+        box_above = grid[r - 1] if r % 2 else None
+        return all(row[c] != above[c] for above in grid for c in range(4)) and (
+            box_above is None
+            or all(row[c] not in box_above[c - c % 2:c - c % 2 + 2] for c in range(4))
+        )
+
+    grids = [()]
+    for _ in range(4):
+        grids = [grid + (row,) for grid in grids for row in rows if fits(grid, row)]
+    return torch.tensor([[d for row in grid for d in row] for grid in grids])
+
+
+def solutions_of(givens: torch.Tensor) -> torch.Tensor:
+    """Match matrix ``BoolTensor[N, 288]`` for givens ``LongTensor[N, 16]`` (0 = blank)."""
+    grids = all_grids()
+    fits = (grids[None] == givens[:, None]) | (givens[:, None] == 0)
+    return fits.all(-1)
+
+
+def puzzle_keys(givens: torch.Tensor) -> torch.Tensor:
+    """One int64 per puzzle (base-5 digits of its cells), for exclusion sets."""
+    powers = 5 ** torch.arange(CELLS, dtype=torch.long)
+    return (givens * powers).sum(-1)
+
+
+def sample_puzzles(
+    n: int,
+    generator: torch.Generator,
+    blank_weights: torch.Tensor | None = None,
+    exclude: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` random puzzles with a unique solution: ``(givens, solutions)``, each ``[n, 16]``.
+
+    Blank counts are drawn from ``blank_weights`` (13 weights for 0..12 blanks, uniform
+    when None); puzzles whose keys are in ``exclude`` are redrawn.
+    """
+    weights = torch.ones(MAX_BLANKS + 1) if blank_weights is None else blank_weights.float()
+    grids = all_grids()
+    givens = torch.zeros(n, CELLS, dtype=torch.long)
+    solutions = torch.zeros(n, CELLS, dtype=torch.long)
+    todo = torch.arange(n)
+    while todo.numel():
+        m = todo.numel()
+        grid = grids[torch.randint(len(grids), (m,), generator=generator)]
+        blanks = torch.multinomial(weights, m, replacement=True, generator=generator)
+        order = torch.rand(m, CELLS, generator=generator).argsort(-1)
+        blank = torch.zeros(m, CELLS, dtype=torch.bool)
+        blank.scatter_(1, order, torch.arange(CELLS)[None] < blanks[:, None])
+        candidate = grid.masked_fill(blank, 0)
+        ok = solutions_of(candidate).sum(-1) == 1
+        if exclude is not None:
+            ok &= ~torch.isin(puzzle_keys(candidate), exclude)
+        givens[todo[ok]] = candidate[ok]
+        solutions[todo[ok]] = grid[ok]
+        todo = todo[~ok]
+    return givens, solutions
+
+
+def cells_text(cells: torch.Tensor) -> str:
+    """16 digits (0 = blank) -> '1.3.' style text."""
+    return "".join(BLANK if d == 0 else str(d) for d in cells.tolist())
+
+
+@dataclass(frozen=True)
+class Request:
+    puzzles: tuple[str, ...]  # each 16 chars, '1'-'4' or '.'
+    solutions: tuple[str, ...]  # each 16 chars, '1'-'4'
+
+    @property
+    def prompt(self) -> str:
+        return format_prompt(self.puzzles)
+
+    @property
+    def answer(self) -> str:
+        return format_answer(self.solutions)
+
+
+def format_prompt(puzzles: tuple[str, ...] | list[str]) -> str:
+    """The 7-slot canvas, rows of 4 cells separated by spaces (whitespace is not tokenized)."""
+    if not 1 <= len(puzzles) <= MAX_PUZZLES:
+        raise ValueError(f"a request holds 1..{MAX_PUZZLES} puzzles, got {len(puzzles)}")
+    slots = list(puzzles) + [EMPTY * CELLS] * (SLOTS - len(puzzles))
+    return " ".join(slot[r:r + 4] for slot in slots for r in range(0, CELLS, 4))
+
+
+def format_answer(solutions: tuple[str, ...] | list[str]) -> str:
+    """The expected output text (without the final EOS block): the solved grids in order."""
+    return "".join(solutions)
+
+
+def make_requests(n: int, seed: int) -> list[Request]:
+    """``n`` requests with k uniform in 1..6 and blank counts uniform in 0..12 (seeded)."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.randint(1, MAX_PUZZLES + 1, (n,), generator=generator).tolist()
+    givens, solutions = sample_puzzles(sum(counts), generator)
+    requests, start = [], 0
+    for k in counts:
+        requests.append(Request(
+            tuple(cells_text(g) for g in givens[start:start + k]),
+            tuple(cells_text(s) for s in solutions[start:start + k]),
+        ))
+        start += k
+    return requests
+
+
+@lru_cache(maxsize=1)
+def heldout_requests() -> tuple[Request, ...]:
+    """The fixed held-out evaluation set; training never sees any of its puzzles."""
+    return tuple(make_requests(HELDOUT_REQUESTS, HELDOUT_SEED))
+
+
+def heldout_keys() -> torch.Tensor:
+    """Keys of every held-out puzzle, to exclude from training."""
+    givens = [[0 if c == BLANK else int(c) for c in p] for r in heldout_requests() for p in r.puzzles]
+    return puzzle_keys(torch.tensor(givens)).unique()
+
+
+def grade(request: Request, output_text: str) -> list[bool]:
+    """Per-puzzle correctness of generated text: whitespace is ignored, the grids are read
+    in order, 16 characters each, up to the first EOS marker if the text contains one."""
+    text = "".join(output_text.split()).split("[EOS]", 1)[0]
+    return [text[16 * j:16 * (j + 1)] == s for j, s in enumerate(request.solutions)]

@@ -1,0 +1,42 @@
+"""Builders shared by the algorithm tests: hand-made logits and one-call steps."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from algorithms import get_algorithm
+
+VOCAB = 8
+MASK = VOCAB - 1  # the mask id of every hand-built case
+
+
+def position_logits(token: int, probability: float, vocab: int = VOCAB) -> list[float]:
+    """Logits of one position: ``token`` has ``probability``, the rest share what is left."""
+    rest = (1.0 - probability) / (vocab - 1)
+    return [math.log(probability if t == token else rest) for t in range(vocab)]
+
+
+def logits_of(rows: Sequence[Sequence[tuple[int, float]]], vocab: int = VOCAB) -> torch.Tensor:
+    """``[B, L, V]`` logits from ``rows[b][i] = (argmax token, its probability)``."""
+    return torch.tensor(
+        [[position_logits(t, p, vocab) for t, p in row] for row in rows], dtype=torch.float32
+    )
+
+
+def run_step(name: str, logits: torch.Tensor, block: torch.Tensor, overrides=None, states=None):
+    """One step of ``name`` on every row with the same parameters; returns (block, done, states)."""
+    algorithm = get_algorithm(name)
+    params = [algorithm.make_params(overrides)] * block.shape[0]
+    if states is None:
+        states = [algorithm.init_state(p, 0) for p in params]
+    block = block.clone()
+    done = algorithm.step(logits, block, MASK, params, states)
+    return block, done, states
+
+
+def filled(before: torch.Tensor, after: torch.Tensor) -> list[list[int]]:
+    """Per row, the positions whose token changed."""
+    return [torch.nonzero(b != a).flatten().tolist() for b, a in zip(before, after)]
