@@ -50,7 +50,8 @@ def check_number(
         kind = "an integer" if integer else "a finite number"
         raise AlgorithmError(f"{name} must be {kind}, got {value!r}")
     if minimum is not None and (value <= minimum if exclusive_minimum else value < minimum):
-        raise AlgorithmError(f"{name} must be {'>' if exclusive_minimum else '>='} {minimum}, got {value}")
+        relation = ">" if exclusive_minimum else ">="
+        raise AlgorithmError(f"{name} must be {relation} {minimum}, got {value}")
     if maximum is not None and value > maximum:
         raise AlgorithmError(f"{name} must be <= {maximum}, got {value}")
 

@@ -38,7 +38,9 @@ class FastDllmFactor(ConfidenceRule):
     params_class = FastDllmFactorParams
     propose = staticmethod(gumbel)
 
-    def choose(self, confidence: torch.Tensor, params: Sequence[FastDllmFactorParams]) -> torch.Tensor:
+    def choose(
+        self, confidence: torch.Tensor, params: Sequence[FastDllmFactorParams]
+    ) -> torch.Tensor:
         factor = per_row(params, "factor", confidence.device)
         ordered = confidence.sort(-1, descending=True).values
         rank = torch.arange(1, confidence.shape[-1] + 1, device=confidence.device)

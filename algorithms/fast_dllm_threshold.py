@@ -34,6 +34,8 @@ class FastDllmThreshold(ConfidenceRule):
     params_class = FastDllmThresholdParams
     propose = staticmethod(gumbel)
 
-    def choose(self, confidence: torch.Tensor, params: Sequence[FastDllmThresholdParams]) -> torch.Tensor:
+    def choose(
+        self, confidence: torch.Tensor, params: Sequence[FastDllmThresholdParams]
+    ) -> torch.Tensor:
         threshold = per_row(params, "threshold", confidence.device)
         return at_least_one(confidence >= threshold[:, None], confidence)

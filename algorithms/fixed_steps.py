@@ -68,7 +68,7 @@ class FixedSteps(DllmAlgorithm):
         device = block.device
         masked = block == mask_id
         remaining = masked.sum(-1)
-        quota = _quota(remaining, params, states)
+        quota = _next_quota(remaining, params, states)
 
         noise = [state.noise for state in states]
         tokens = gumbel_tokens(logits, mask_id, params, noise)
@@ -83,7 +83,7 @@ class FixedSteps(DllmAlgorithm):
         return remaining == 0
 
 
-def _quota(
+def _next_quota(
     remaining: torch.Tensor, params: Sequence[FixedStepsParams], states: Sequence[FixedStepsState]
 ) -> torch.Tensor:
     """Tokens to fill this step per row, from LLaDA's schedule; advances each row's step count.

@@ -33,6 +33,8 @@ class LowConfidence(ConfidenceRule):
     params_class = LowConfidenceParams
     propose = staticmethod(categorical)
 
-    def choose(self, confidence: torch.Tensor, params: Sequence[LowConfidenceParams]) -> torch.Tensor:
+    def choose(
+        self, confidence: torch.Tensor, params: Sequence[LowConfidenceParams]
+    ) -> torch.Tensor:
         threshold = per_row(params, "threshold", confidence.device)
         return at_least_one(confidence > threshold[:, None], confidence)

@@ -62,7 +62,9 @@ class RowNoise:
         digest = hashlib.blake2b(f"{seed}:{block_index}".encode(), digest_size=8).digest()
         return cls(int.from_bytes(digest, "little"))
 
-    def uniform(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def uniform(
+        self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype
+    ) -> torch.Tensor:
         if self.generator is None:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(self.seed)
@@ -83,7 +85,9 @@ def uniform_rows(
     return torch.stack([noise[row].uniform(shape, device, dtype) for row in rows])
 
 
-def sampling_rows(params: Sequence[AlgorithmParams], device: torch.device) -> tuple[list[int], torch.Tensor]:
+def sampling_rows(
+    params: Sequence[AlgorithmParams], device: torch.device
+) -> tuple[list[int], torch.Tensor]:
     """The rows with temperature > 0, and every row's temperature."""
     temperature = per_row(params, "temperature", device)
     return (temperature > 0).nonzero().flatten().tolist(), temperature
@@ -100,7 +104,8 @@ def greedy_tokens(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     """Argmax per position (ties: lowest id); where that is the mask id, the best other token."""
     tokens = logits.argmax(-1)
     hit = tokens == mask_id
-    without_mask = logits[hit].index_fill(-1, torch.tensor([mask_id], device=logits.device), float("-inf"))
+    mask_column = torch.tensor([mask_id], device=logits.device)
+    without_mask = logits[hit].index_fill(-1, mask_column, float("-inf"))
     tokens[hit] = without_mask.argmax(-1)
     return tokens
 

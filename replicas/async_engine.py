@@ -70,7 +70,10 @@ class AsyncEngine:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def deliver(output: RequestOutput) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, output)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, output)
+            except RuntimeError:  # the caller's loop is gone (e.g. the abort after a disconnect)
+                pass
 
         request_id = self.engine.add_request(prompt, params, request_id, on_output=deliver)
         self._wake.set()

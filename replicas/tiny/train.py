@@ -210,14 +210,19 @@ def train_tiny(
     log: Callable[[str], None] = print,
     final_eval: bool = True,
     config: TrainConfig | None = None,
+    max_steps: int | None = None,
+    threads: int = 2,
 ) -> dict:
-    """Train for ``max_minutes`` of wall clock, then write the checkpoint into ``output_dir``.
+    """Train for ``max_minutes`` of wall clock (or ``max_steps`` optimizer steps, whichever
+    comes first; the learning-rate schedule follows the nearer one), then write the
+    checkpoint into ``output_dir``.
 
     Logs the loss and a quick held-out accuracy every ``eval_every_s``; with
     ``final_eval`` the whole held-out set is decoded at the end (outside the budget).
     Returns the final metrics.
     """
     cfg = config or TrainConfig()
+    torch.set_num_threads(threads)
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     output_dir = Path(output_dir)
@@ -239,8 +244,8 @@ def train_tiny(
     budget = max_minutes * 60.0
     start = last_eval = time.monotonic()
     step, running = 0, None
-    while (elapsed := time.monotonic() - start) < budget:
-        progress = elapsed / budget
+    while (elapsed := time.monotonic() - start) < budget and step != max_steps:
+        progress = max(elapsed / budget, step / max_steps if max_steps else 0.0)
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * progress))
         for group in optimizer.param_groups:
             group["lr"] = lr

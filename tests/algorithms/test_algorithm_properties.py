@@ -33,7 +33,10 @@ RULE_PARAMS = {
     },
     "fast_dllm_threshold": {"threshold": THRESHOLD},
     "fast_dllm_factor": {"factor": st.sampled_from([0.1, 1.0, 3.0])},
-    "fixed_steps": {"steps": st.integers(1, 10), "remasking": st.sampled_from(["low_confidence", "random"])},
+    "fixed_steps": {
+        "steps": st.integers(1, 10),
+        "remasking": st.sampled_from(["low_confidence", "random"]),
+    },
 }
 
 
@@ -57,8 +60,11 @@ class Case:
 def cases(draw, temperature=None):
     name = draw(st.sampled_from(available_algorithms()))
     algorithm = get_algorithm(name)
-    batch, length, vocab = draw(st.integers(1, 4)), draw(st.integers(1, 8)), draw(st.integers(3, 10))
-    sampling = dict(SAMPLING, temperature=st.just(temperature)) if temperature is not None else SAMPLING
+    batch, length = draw(st.integers(1, 4)), draw(st.integers(1, 8))
+    vocab = draw(st.integers(3, 10))
+    sampling = dict(SAMPLING)
+    if temperature is not None:
+        sampling["temperature"] = st.just(temperature)
     strategy = st.fixed_dictionaries({**sampling, **RULE_PARAMS[name]})
     params = [algorithm.make_params(draw(strategy)) for _ in range(batch)]
     mask_id = draw(st.integers(0, vocab - 1))
@@ -66,7 +72,8 @@ def cases(draw, temperature=None):
     tokens = torch.randint(0, vocab - 1, (batch, length), generator=generator)
     tokens += tokens >= mask_id  # never the mask id
     mask_share = draw(st.sampled_from([0.0, 0.5, 1.0, 1.0]))
-    block = torch.where(torch.rand(batch, length, generator=generator) < mask_share, mask_id, tokens)
+    masked = torch.rand(batch, length, generator=generator) < mask_share
+    block = torch.where(masked, mask_id, tokens)
     return Case(
         name=name,
         params=params,

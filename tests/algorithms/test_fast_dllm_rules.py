@@ -17,7 +17,8 @@ def test_threshold_fills_positions_at_or_above_threshold():
 def test_threshold_is_inclusive():
     logits = logits_of([[(1, 0.99), (2, 0.6)]])
     exact = token_probability(logits, torch.tensor([[1, 2]]))[0, 1].item()
-    after, _, _ = run_step("fast_dllm_threshold", logits, torch.full((1, 2), MASK), {"threshold": exact})
+    block = torch.full((1, 2), MASK)
+    after, _, _ = run_step("fast_dllm_threshold", logits, block, {"threshold": exact})
     assert after.tolist() == [[1, 2]]
 
 

@@ -39,9 +39,9 @@ def test_schedule_matches_llada(length, steps, expected):
     counts = fill_counts({"steps": steps}, torch.full((1, length), MASK))
     assert counts == expected
     assert sum(counts) == length
-    assert len(counts) + 1 <= get_algorithm("fixed_steps").max_steps_per_block(
-        get_algorithm("fixed_steps").make_params({"steps": steps}), length
-    )
+    algorithm = get_algorithm("fixed_steps")
+    params = algorithm.make_params({"steps": steps})
+    assert len(counts) + 1 == algorithm.max_steps_per_block(params, length)
 
 
 def test_schedule_counts_masks_at_block_start():

@@ -10,7 +10,8 @@ from algorithms.sampling import token_probability
 def test_mask_to_token_is_strictly_above_threshold_with_fallback():
     logits = logits_of([[(1, 0.9), (2, 0.6), (3, 0.3)], [(1, 0.4), (2, 0.45), (3, 0.3)]])
     exact = token_probability(logits, torch.tensor([[1, 2, 3]] * 2))[0, 1].item()
-    after, done, _ = run_step("joint_threshold", logits, torch.full((2, 3), MASK), {"threshold": exact})
+    block = torch.full((2, 3), MASK)
+    after, done, _ = run_step("joint_threshold", logits, block, {"threshold": exact})
     assert after.tolist() == [[1, MASK, MASK], [MASK, 2, MASK]]
     assert done.tolist() == [False, False]
 
@@ -43,7 +44,8 @@ def test_positions_filled_before_the_block_started_are_never_edited():
 
 def one_filled_token(overrides):
     """A one-token block filled with token 1 by a first step, and its states."""
-    block, _, states = run_step("joint_threshold", logits_of([[(1, 0.9)]]), torch.full((1, 1), MASK), overrides)
+    block = torch.full((1, 1), MASK)
+    block, _, states = run_step("joint_threshold", logits_of([[(1, 0.9)]]), block, overrides)
     return block, states
 
 
@@ -66,7 +68,8 @@ def run_flipping(max_post_edit_steps):
     while not done.item():
         proposal = 2 if block.item() == 1 else 1
         before = block.clone()
-        block, done, states = run_step("joint_threshold", logits_of([[(proposal, 0.9)]]), block, overrides, states)
+        logits = logits_of([[(proposal, 0.9)]])
+        block, done, states = run_step("joint_threshold", logits, block, overrides, states)
         forwards += 1
         edits += int(not torch.equal(before, block))
     return forwards, edits, states[0].post_edit_steps
@@ -76,7 +79,8 @@ def test_post_edit_budget_ends_the_block():
     forwards, edits, post_edit_steps = run_flipping(2)
     assert (forwards, edits, post_edit_steps) == (4, 2, 3)
     algorithm = get_algorithm("joint_threshold")
-    assert forwards == algorithm.max_steps_per_block(algorithm.make_params({"max_post_edit_steps": 2}), 1)
+    params = algorithm.make_params({"max_post_edit_steps": 2})
+    assert forwards == algorithm.max_steps_per_block(params, 1)
 
 
 def test_zero_budget_is_done_at_the_first_forward_without_masks():
