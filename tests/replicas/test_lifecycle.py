@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from algorithms import AlgorithmParams, DllmAlgorithm, register
+import algorithms.base
+from algorithms import AlgorithmParams, DllmAlgorithm
 from replicas.async_engine import AsyncEngine
 from replicas.request import FinishReason, RequestError, SamplingParams
 
@@ -105,7 +106,6 @@ def test_no_page_leak_with_aborts(make_engine, mode):
     assert_pool_full(engine)
 
 
-@register
 class ExplodingAlgorithm(DllmAlgorithm):
     """Fails every step: the engine must fail its rows and keep serving the others."""
 
@@ -119,7 +119,8 @@ class ExplodingAlgorithm(DllmAlgorithm):
         raise RuntimeError("boom")
 
 
-def test_failing_algorithm_fails_only_its_rows(make_engine):
+def test_failing_algorithm_fails_only_its_rows(make_engine, monkeypatch):
+    monkeypatch.setitem(algorithms.base._REGISTRY, "test_exploding", ExplodingAlgorithm())
     engine = make_engine(max_batch=4)
     outs = engine.generate(["abc", "def", "ghi"], [
         SamplingParams(max_tokens=32, ignore_eos=True),
