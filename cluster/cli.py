@@ -6,7 +6,11 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
+import threading
+
+import yaml
 
 from algorithms import available_algorithms
 
@@ -102,6 +106,82 @@ def cmd_bench(args) -> int:
     return 0
 
 
+_UP_SHORTCUTS = {  # flag dest -> config key
+    "model": "model", "port": "port", "metrics_port": "metrics_port", "host": "host",
+    "max_batch": "replica.max_batch", "mode": "replica.mode", "algorithm": "algorithm.name",
+    "min_replicas": "autoscaling.min_replicas", "max_replicas": "autoscaling.max_replicas",
+    "api_key": "api_key",
+}
+
+
+def _parse_set(items: list[str] | None) -> dict:
+    overrides = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"dllm-serve: --set expects KEY=VALUE, got {item!r}")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
+
+
+def up_config(args):
+    from cluster.config import load_config
+
+    overrides = _parse_set(args.set)
+    if args.replicas is not None:
+        overrides["autoscaling.min_replicas"] = overrides["autoscaling.max_replicas"] = args.replicas
+    for dest, key in _UP_SHORTCUTS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            overrides[key] = value
+    return load_config(args.config, overrides)
+
+
+def cmd_up(args) -> int:
+    from cluster.app import deploy, shutdown
+
+    config = up_config(args)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"starting dllm-serve: model {config.model_name}, {config.autoscaling.min_replicas}"
+          f"-{config.autoscaling.max_replicas} replica(s), mode {config.replica.mode}", flush=True)
+    try:
+        metrics_url = deploy(config, args.address)
+        base = f"http://{config.host}:{config.port}"
+        auth = f" -H 'Authorization: Bearer {config.api_key.get_secret_value()}'" if config.api_key else ""
+        print(f"OpenAI API: {base}/v1\nmetrics:    {metrics_url}\ntry:\n"
+              f"  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} "
+              f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": \"1.3. ..2. 4... .1.4\", \"max_tokens\": 32}}'\n"
+              f"ready; Ctrl-C stops", flush=True)
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping ...", flush=True)
+        shutdown(config)
+    return 0
+
+
+def cmd_status(args) -> int:
+    from cluster.app import cluster_status
+
+    status = cluster_status(args.address)
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+        return 0
+    for name, app in status["applications"].items():
+        print(f"application {name}: {app['status']} {app['message']}".rstrip())
+        for deployment, info in app["deployments"].items():
+            print(f"  {deployment}: {info['status']} replicas {info['replicas']}")
+    if not status["applications"]:
+        print("no Serve application is running")
+    print(f"{'replica':<12}{'running':>8}{'waiting':>8}{'free pages':>12}{'step debt':>11}{'drain s':>9}{'row-steps/s':>13}")
+    for replica, view in sorted(status["replicas"].items()):
+        print(f"{replica:<12}{view['running']:>8}{view['waiting']:>8}{view['free_pages']:>7}/{view['total_pages']:<4}"
+              f"{view['step_debt']:>11.0f}{view['predicted_drain_s']:>9.2f}{view['row_steps_per_s']:>13.0f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dllm-serve",
@@ -137,6 +217,36 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print JSON")
     ev.set_defaults(func=cmd_eval_tiny)
 
+    from cluster.config import describe_fields
+
+    up = commands.add_parser(
+        "up", help="start a local Ray cluster serving the model over an OpenAI API",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start Ray (local, or --address), the metrics actor and the Serve application; "
+                    "Ctrl-C stops everything. Settings come from defaults, then --config, then --set, "
+                    "then the shortcut flags.",
+        epilog="settings (YAML keys for --config, dotted keys for --set):\n" + "\n".join(describe_fields()))
+    up.add_argument("--config", help="YAML file with settings")
+    up.add_argument("--set", action="append", metavar="KEY=VALUE", help="one setting, e.g. --set slo.latency_s=10")
+    up.add_argument("--address", help="connect to an existing Ray cluster instead of starting one")
+    up.add_argument("--model", help="checkpoint directory or 'tiny'")
+    up.add_argument("--replicas", type=int, help="fixed number of replicas (sets min and max)")
+    up.add_argument("--min-replicas", type=int)
+    up.add_argument("--max-replicas", type=int)
+    up.add_argument("--max-batch", type=int)
+    up.add_argument("--mode", choices=["fdfo", "sync", "static"])
+    up.add_argument("--algorithm", choices=available_algorithms())
+    up.add_argument("--host")
+    up.add_argument("--port", type=int)
+    up.add_argument("--metrics-port", type=int)
+    up.add_argument("--api-key")
+    up.set_defaults(func=cmd_up)
+
+    status = commands.add_parser("status", help="replicas of a running cluster and their stats")
+    status.add_argument("--address", default="auto", help="Ray address (default: the local cluster)")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side")
     bench.add_argument("target", choices=["engine"], help="engine: fdfo vs sync vs static on one workload")
     bench.add_argument("--model", default="tiny")
@@ -151,12 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cluster.config import ConfigError
     from replicas.models import CheckpointError
     from replicas.request import RequestError
 
     try:
         return args.func(args)
-    except (CheckpointError, RequestError, ValueError) as exc:
+    except (CheckpointError, RequestError, ConfigError, ValueError) as exc:
         print(f"dllm-serve: error: {exc}", file=sys.stderr)
         return 2
 

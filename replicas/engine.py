@@ -19,6 +19,7 @@ import torch
 
 from algorithms import AlgorithmError, get_algorithm
 from replicas.kv_cache import KVCache, PagePool
+from replicas.limits import length_error, pages_needed
 from replicas.models import load_model, load_tokenizer
 from replicas.output import OutputProcessor
 from replicas.request import FinishReason, Phase, Request, RequestError, RequestOutput, SamplingParams
@@ -101,15 +102,12 @@ class Engine:
             raise RequestError("the prompt has token ids outside the vocabulary")
         if self.spec.mask_token_id in prompt_ids:
             raise RequestError("the prompt contains the mask token id")
-        prompt_pages = -(-len(prompt_ids) // self.block_length)
-        max_blocks = -(-params.max_tokens // self.block_length)
-        if (prompt_pages + max_blocks) > self.max_pages_per_request:
-            raise RequestError(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
-                f"{(prompt_pages + max_blocks) * self.block_length} positions; this model serves at most "
-                f"{self.max_model_len}")
-        if prompt_pages + max_blocks > self.pool.capacity:
-            raise RequestError(f"the request needs {prompt_pages + max_blocks} KV pages; the pool has {self.pool.capacity}")
+        too_long = length_error(len(prompt_ids), params.max_tokens, self.block_length, self.max_model_len)
+        if too_long:
+            raise RequestError(too_long)
+        needed = pages_needed(len(prompt_ids), params.max_tokens, self.block_length)
+        if needed > self.pool.capacity:
+            raise RequestError(f"the request needs {needed} KV pages; the pool has {self.pool.capacity}")
         try:
             algorithm = get_algorithm(params.algorithm) if params.algorithm else self.default_algorithm
             overrides = params.algorithm_params if params.algorithm else {
@@ -256,8 +254,10 @@ class Engine:
 
     # ---- offline convenience ---------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run ``prompts`` to completion; one final output (whole text) per prompt, in order."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 on_step: Callable[[StepStats], None] | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` to completion as one closed batch; one final output (whole text
+        and ids) per prompt, in order. ``on_step`` sees every step's statistics."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         results: dict[str, RequestOutput] = {}
@@ -273,5 +273,7 @@ class Engine:
         for prompt, p in zip(prompts, params):
             order.append(self.add_request(prompt, p, on_output=collect))
         while self.has_work():
-            self.step()
+            stats = self.step()
+            if stats is not None and on_step is not None:
+                on_step(stats)
         return [results[rid] for rid in order]

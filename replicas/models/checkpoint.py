@@ -43,16 +43,21 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from exc
 
 
-def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
-    """Build the architecture named in config.json and load its safetensors weights."""
-    path = resolve_path(model)
-    raw = read_config(path)
+def _architecture(path: Path, raw: dict) -> type[nn.Module]:
     arch = (raw.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
         raise CheckpointError(
             f"{path}/config.json names architecture {arch!r}; supported: {sorted(ARCHITECTURES)}"
         )
-    cls = ARCHITECTURES[arch]
+    return ARCHITECTURES[arch]
+
+
+def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+    """Build the architecture named in config.json and load its safetensors weights."""
+    path = resolve_path(model)
+    raw = read_config(path)
+    cls = _architecture(path, raw)
+    arch = cls.__name__
     net = cls(cls.config_class.from_dict(raw))
     weights_file = path / "model.safetensors"
     if not weights_file.is_file():
@@ -83,3 +88,12 @@ def load_tokenizer(model: str | Path):
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise CheckpointError(f"{path} has no tokenizer.json or tokenizer_config.json")
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def load_model_spec(model: str | Path):
+    """The engine-facing facts of a checkpoint (block length, ids, limits) without its weights."""
+    path = resolve_path(model)
+    raw = read_config(path)
+    cls = _architecture(path, raw)
+    with torch.device("meta"):
+        return cls(cls.config_class.from_dict(raw)).spec

@@ -69,17 +69,19 @@ def sample_puzzles(
     """``n`` random puzzles with a unique solution: ``(givens, solutions)``, each ``[n, 16]``.
 
     Blank counts are drawn from ``blank_weights`` (13 weights for 0..12 blanks, uniform
-    when None); puzzles whose keys are in ``exclude`` are redrawn.
+    when None); a puzzle with several solutions, or whose key is in ``exclude``, is
+    redrawn with the same blank count.
     """
     weights = torch.ones(MAX_BLANKS + 1) if blank_weights is None else blank_weights.float()
     grids = all_grids()
     givens = torch.zeros(n, CELLS, dtype=torch.long)
     solutions = torch.zeros(n, CELLS, dtype=torch.long)
+    blank_counts = torch.multinomial(weights, n, replacement=True, generator=generator)
     todo = torch.arange(n)
     while todo.numel():
         m = todo.numel()
         grid = grids[torch.randint(len(grids), (m,), generator=generator)]
-        blanks = torch.multinomial(weights, m, replacement=True, generator=generator)
+        blanks = blank_counts[todo]
         order = torch.rand(m, CELLS, generator=generator).argsort(-1)
         blank = torch.zeros(m, CELLS, dtype=torch.bool)
         blank.scatter_(1, order, torch.arange(CELLS)[None] < blanks[:, None])

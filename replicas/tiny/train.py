@@ -84,7 +84,7 @@ def sample_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids [B, S], targets [B, 7*L])``; targets are -100 where not masked."""
     b = cfg.batch_size
-    k = 1 + torch.multinomial(torch.tensor(cfg.k_weights), b, replacement=True, generator=generator)
+    k = 1 + torch.multinomial(torch.tensor(cfg.k_weights, dtype=torch.float), b, replacement=True, generator=generator)
     filled = torch.arange(task.SLOTS)[None] < k[:, None]  # [B, 7]
     givens, solutions = task.sample_puzzles(
         int(filled.sum()), generator, torch.tensor(cfg.blank_weights), exclude

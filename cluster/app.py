@@ -1,0 +1,142 @@
+"""Building and running the Ray Serve application from one AppConfig."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+from ray import serve
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+
+from cluster.autoscaling import StepDebtPolicy
+from cluster.config import AppConfig
+from cluster.ingress import Ingress
+from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE, MetricsActor
+from cluster.router import DrainTimeRouter
+from replicas.deployment import EngineReplica
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(config: AppConfig) -> dict:
+    replica = config.replica
+    return {
+        "mode": replica.mode, "max_batch": replica.max_batch, "num_pages": replica.num_pages,
+        "max_tokens_per_step": replica.max_tokens_per_step, "max_model_len": replica.max_model_len,
+        "default_algorithm": config.algorithm.name, "default_algorithm_params": config.algorithm.params,
+        "device": replica.device, "dtype": replica.dtype,
+    }
+
+
+def replica_deployment_options(config: AppConfig) -> dict:
+    """Options of the replica deployment (also rendered into Kubernetes serveConfigV2)."""
+    scaling = config.autoscaling
+    options = {
+        "name": "EngineReplica",
+        "max_ongoing_requests": config.replica.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": config.replica.num_cpus, "num_gpus": config.replica.num_gpus},
+        "health_check_period_s": 5.0,
+        "health_check_timeout_s": 30.0,
+        "graceful_shutdown_timeout_s": 60.0,
+    }
+    if scaling.max_replicas > scaling.min_replicas:
+        options["autoscaling_config"] = {
+            "min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
+            "initial_replicas": scaling.min_replicas,
+            "upscale_delay_s": scaling.upscale_delay_s, "downscale_delay_s": scaling.downscale_delay_s,
+            "metrics_interval_s": config.stats_period_s, "look_back_period_s": max(2.0, 4 * config.stats_period_s),
+        }
+    else:
+        options["num_replicas"] = scaling.min_replicas
+    return options
+
+
+def build_app(config: AppConfig):
+    """The bound application: Ingress -> EngineReplica (routed by predicted drain time)."""
+    options = replica_deployment_options(config)
+    if "autoscaling_config" in options:
+        options["autoscaling_config"] = AutoscalingConfig(
+            **options["autoscaling_config"],
+            policy=AutoscalingPolicy(policy_function=StepDebtPolicy,
+                                     policy_kwargs={"target_drain_s": config.target_drain_s}))
+    replica = serve.deployment(EngineReplica).options(
+        request_router_config=RequestRouterConfig(
+            request_router_class=DrainTimeRouter,
+            request_router_kwargs={"stale_after_s": max(5.0, 10 * config.stats_period_s)},
+            request_routing_stats_period_s=config.stats_period_s,
+            request_routing_stats_timeout_s=max(1.0, config.stats_period_s)),
+        **options,
+    ).bind(
+        config.model, engine_config(config),
+        metrics_actor={"name": ACTOR_NAME, "namespace": ACTOR_NAMESPACE},
+        stats_period_s=config.stats_period_s,
+        initial_row_steps_per_s=config.admission.initial_row_steps_per_s,
+        torch_threads=config.replica.torch_threads,
+    )
+    ingress = serve.deployment(Ingress).options(
+        name="Ingress", num_replicas=1, max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": 0.1},
+    )
+    return ingress.bind(replica, config.model_dump(mode="json") | _secrets(config))
+
+
+def _secrets(config: AppConfig) -> dict:
+    """model_dump hides SecretStr values; the ingress needs the key itself."""
+    return {"api_key": config.api_key.get_secret_value()} if config.api_key else {}
+
+
+def start_metrics_actor(config: AppConfig):
+    """The named metrics actor (idempotent); returns its scrape URL."""
+    actor = ray.remote(MetricsActor).options(
+        name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, lifetime="detached", get_if_exists=True,
+        num_cpus=0, max_restarts=-1,
+    ).remote(config.host, config.metrics_port)
+    return ray.get(actor.ready.remote())
+
+
+def deploy(config: AppConfig, address: str | None = None) -> str:
+    """Start (or connect to) Ray, the metrics actor and the Serve app; returns the metrics URL."""
+    if address:
+        ray.init(address=address, namespace=ACTOR_NAMESPACE, log_to_driver=False)
+    else:
+        needed = config.autoscaling.max_replicas * config.replica.num_cpus + 0.1
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
+                 include_dashboard=False, namespace=ACTOR_NAMESPACE, log_to_driver=False)
+    metrics_url = start_metrics_actor(config)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(build_app(config), name=config.name, route_prefix="/")
+    return metrics_url
+
+
+def shutdown(config: AppConfig) -> None:
+    try:
+        serve.delete(config.name)
+        serve.shutdown()
+    finally:
+        try:
+            ray.kill(ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE))
+        except ValueError:
+            pass
+        ray.shutdown()
+
+
+def cluster_status(address: str = "auto") -> dict:
+    """Applications, deployments, replica states and per-replica stats of a running cluster."""
+    ray.init(address=address, namespace=ACTOR_NAMESPACE, log_to_driver=False)
+    try:
+        status = serve.status()
+        apps = {
+            name: {"status": app.status.value, "message": app.message,
+                   "deployments": {d: {"status": ds.status.value, "replicas": ds.replica_states}
+                                   for d, ds in app.deployments.items()}}
+            for name, app in status.applications.items()
+        }
+        try:
+            view = ray.get(ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE).cluster_view.remote(), timeout=10)
+        except ValueError:
+            view = {}
+        return {"applications": apps, "replicas": view}
+    finally:
+        ray.shutdown()
+

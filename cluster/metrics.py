@@ -1,0 +1,141 @@
+"""The metrics actor: replicas push step statistics, Prometheus scrapes them.
+
+``METRICS`` is the single list of what is exported (the README documents each entry and
+a test keeps the two in agreement). ``MetricsExporter`` is plain Python and holds the
+prometheus_client registry; ``MetricsActor`` is the named Ray actor that owns one and
+serves it over HTTP on its own port.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+ACTOR_NAME = "dllm-metrics"
+ACTOR_NAMESPACE = "dllm"
+STALE_AFTER_S = 30.0
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_STEPS_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # as exported (counters get the _total suffix in the exposition)
+    kind: type
+    help: str
+    labels: tuple[str, ...] = ("replica",)
+    buckets: tuple[float, ...] | None = None
+
+
+METRICS = (
+    MetricSpec("dllm_step_queue_length", Gauge, "Requests waiting in a replica's engine queue for a batch row"),
+    MetricSpec("dllm_running_requests", Gauge, "Requests holding a batch row (prefilling or denoising)"),
+    MetricSpec("dllm_step_debt", Gauge, "Row-steps a replica still owes its live requests (admission cost minus steps taken)"),
+    MetricSpec("dllm_predicted_drain_seconds", Gauge, "Step debt divided by measured row-steps per second"),
+    MetricSpec("dllm_row_steps_per_second", Gauge, "Measured rows advanced per second of engine time"),
+    MetricSpec("dllm_dispatch_overhead_seconds", Histogram, "Engine step time outside the model forward (scheduling, tensor building, commit)", buckets=_OVERHEAD_BUCKETS),
+    MetricSpec("dllm_compute_ratio", Gauge, "Model forward time / engine step time over the last report window"),
+    MetricSpec("dllm_steps_total", Counter, "Denoise steps (forwards) run"),
+    MetricSpec("dllm_forward_seconds_total", Counter, "Seconds spent in model forwards"),
+    MetricSpec("dllm_step_seconds_total", Counter, "Seconds spent in engine steps"),
+    MetricSpec("dllm_batch_size", Histogram, "Rows per step", buckets=_BATCH_BUCKETS),
+    MetricSpec("dllm_tokens_forwarded_total", Counter, "New tokens fed to forwards (prompt chunks and blocks)"),
+    MetricSpec("dllm_output_tokens_total", Counter, "Output tokens returned to clients"),
+    MetricSpec("dllm_blocks_committed_total", Counter, "Blocks committed"),
+    MetricSpec("dllm_steps_per_block", Histogram, "Forwards a block took until it committed", buckets=_STEPS_BUCKETS),
+    MetricSpec("dllm_requests_total", Counter, "Requests ended, by finish reason (stop, length, abort, error)", ("replica", "finish_reason")),
+    MetricSpec("dllm_request_latency_seconds", Histogram, "End-to-end request latency inside the replica", buckets=_LATENCY_BUCKETS),
+    MetricSpec("dllm_time_to_first_block_seconds", Histogram, "Time from arrival at the replica to the first committed block", buckets=_LATENCY_BUCKETS),
+    MetricSpec("dllm_free_pages", Gauge, "Free KV pages (a page holds one block)"),
+    MetricSpec("dllm_total_pages", Gauge, "KV pages usable by requests"),
+    MetricSpec("dllm_admitted_total", Counter, "Requests admitted by the ingress", ()),
+    MetricSpec("dllm_rejected_total", Counter, "Requests refused by the ingress, by reason", ("reason",)),
+    MetricSpec("dllm_replicas", Gauge, "Replicas that reported in the last 30 s", ()),
+)
+
+# gauge name -> key of the replica's routing stats
+_GAUGE_SOURCES = {
+    "dllm_step_queue_length": "waiting",
+    "dllm_running_requests": "running",
+    "dllm_step_debt": "step_debt",
+    "dllm_predicted_drain_seconds": "predicted_drain_s",
+    "dllm_row_steps_per_second": "row_steps_per_s",
+    "dllm_free_pages": "free_pages",
+    "dllm_total_pages": "total_pages",
+}
+
+
+class MetricsExporter:
+    def __init__(self):
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        self.metrics = {}
+        for spec in METRICS:
+            kwargs = {"buckets": spec.buckets} if spec.buckets else {}
+            self.metrics[spec.name] = spec.kind(spec.name, spec.help, spec.labels, registry=self.registry, **kwargs)
+        self._last_seen: dict[str, float] = {}
+        self._views: dict[str, dict] = {}
+        self.metrics["dllm_admitted_total"].inc(0)
+        self.metrics["dllm_replicas"].set(0)
+
+    def push_replica(self, replica: str, report: dict) -> None:
+        """Add one replica report (see ``replicas.monitor.ReplicaMonitor.report``)."""
+        m = self.metrics
+        self._last_seen[replica] = time.monotonic()
+        self._views[replica] = report["gauges"]
+        for name, key in _GAUGE_SOURCES.items():
+            m[name].labels(replica).set(report["gauges"][key])
+        for name, key in (("dllm_steps_total", "steps"), ("dllm_forward_seconds_total", "forward_s"),
+                          ("dllm_step_seconds_total", "step_s"), ("dllm_tokens_forwarded_total", "tokens"),
+                          ("dllm_output_tokens_total", "output_tokens"), ("dllm_blocks_committed_total", "blocks")):
+            m[name].labels(replica).inc(report[key])
+        if report["step_s"] > 0:
+            m["dllm_compute_ratio"].labels(replica).set(report["forward_s"] / report["step_s"])
+        for name, key in (("dllm_dispatch_overhead_seconds", "overheads_s"), ("dllm_batch_size", "batch_sizes"),
+                          ("dllm_steps_per_block", "block_steps"), ("dllm_request_latency_seconds", "latencies_s"),
+                          ("dllm_time_to_first_block_seconds", "time_to_first_block_s")):
+            histogram = m[name].labels(replica)
+            for value in report[key]:
+                histogram.observe(value)
+        for reason, count in report["finished"].items():
+            m["dllm_requests_total"].labels(replica, reason).inc(count)
+        self._prune()
+
+    def record_admission(self, admitted: bool, reason: str = "") -> None:
+        if admitted:
+            self.metrics["dllm_admitted_total"].inc()
+        else:
+            self.metrics["dllm_rejected_total"].labels(reason).inc()
+
+    def cluster_view(self) -> dict[str, dict]:
+        """Latest routing stats per live replica, with their age in seconds."""
+        self._prune()
+        now = time.monotonic()
+        return {r: {**view, "age_s": now - self._last_seen[r]} for r, view in self._views.items()}
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for replica in [r for r, t in self._last_seen.items() if now - t > STALE_AFTER_S]:
+            del self._last_seen[replica], self._views[replica]
+            for name in _GAUGE_SOURCES:
+                self.metrics[name].remove(replica)
+        self.metrics["dllm_replicas"].set(len(self._last_seen))
+
+
+class MetricsActor(MetricsExporter):
+    """Run as a named Ray actor: serves the registry on ``host:port`` from a thread."""
+
+    def __init__(self, host: str, port: int):
+        from prometheus_client import start_http_server
+
+        super().__init__()
+        self.address = f"http://{host}:{port}/metrics"
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def ready(self) -> str:
+        return self.address

@@ -1,0 +1,129 @@
+"""What a replica knows about its own load, for routing, autoscaling and metrics.
+
+Step statistics arrive from the engine thread (``on_step``); request events from the
+replica's event loop. ``report()`` hands out what accumulated since the last report
+(the metrics actor adds it to its counters and histograms); ``routing_stats()`` and
+``autoscaling_stats()`` are snapshots.
+
+Step debt is the work the replica still owes, in row-steps (one row advanced by one
+step): for every live request, its admission cost minus the steps it already took.
+Dividing it by the measured row-steps per second predicts when the replica drains.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+
+from replicas.stats import StepStats
+
+
+class ReplicaMonitor:
+    WINDOW_STEPS = 256  # steps in the drain-rate window
+
+    def __init__(self, initial_row_steps_per_s: float, max_report_samples: int = 4096):
+        self.initial_rate = initial_row_steps_per_s
+        self.max_samples = max_report_samples
+        self._lock = threading.Lock()
+        self._window: deque[tuple[int, float]] = deque(maxlen=self.WINDOW_STEPS)
+        self._debt: dict[str, tuple[float, int]] = {}  # request id -> (cost, steps taken)
+        self._gauges = {"waiting": 0, "running": 0, "free_pages": 0, "total_pages": 0}
+        self._steps_per_block: Counter = Counter()  # since start, for admission quantiles
+        self._reset_report()
+
+    def _reset_report(self) -> None:
+        self._steps = 0
+        self._forward_s = 0.0
+        self._step_s = 0.0
+        self._tokens = 0
+        self._blocks = 0
+        self._overheads: list[float] = []
+        self._batch_sizes: list[int] = []
+        self._block_steps: list[int] = []
+        self._latencies: list[float] = []
+        self._ttfb: list[float] = []
+        self._output_tokens = 0
+        self._finished: Counter = Counter()
+
+    # ---- inputs ---------------------------------------------------------------------
+    def on_step(self, stats: StepStats) -> None:
+        with self._lock:
+            self._window.append((stats.active_rows, stats.step_s))
+            self._steps += 1
+            self._forward_s += stats.forward_s
+            self._step_s += stats.step_s
+            self._tokens += stats.num_tokens
+            self._blocks += stats.blocks_committed
+            if len(self._overheads) < self.max_samples:
+                self._overheads.append(stats.overhead_s)
+                self._batch_sizes.append(stats.batch_size)
+            self._block_steps.extend(stats.block_steps[: self.max_samples - len(self._block_steps)])
+            self._steps_per_block.update(stats.block_steps)
+
+    def set_gauges(self, waiting: int, running: int, free_pages: int, total_pages: int) -> None:
+        """Current queue lengths and pages, read from the engine by the replica."""
+        with self._lock:
+            self._gauges.update(waiting=waiting, running=running, free_pages=free_pages, total_pages=total_pages)
+
+    def request_started(self, request_id: str, cost: float) -> None:
+        with self._lock:
+            self._debt[request_id] = (cost, 0)
+
+    def request_progressed(self, request_id: str, steps: int) -> None:
+        with self._lock:
+            cost, _ = self._debt[request_id]
+            self._debt[request_id] = (cost, steps)
+
+    def request_finished(self, request_id: str, reason: str, latency_s: float,
+                         time_to_first_block_s: float | None, output_tokens: int) -> None:
+        with self._lock:
+            self._debt.pop(request_id, None)
+            self._finished[reason] += 1
+            self._output_tokens += output_tokens
+            if len(self._latencies) < self.max_samples:
+                self._latencies.append(latency_s)
+                if time_to_first_block_s is not None:
+                    self._ttfb.append(time_to_first_block_s)
+
+    # ---- outputs --------------------------------------------------------------------
+    def _row_steps_per_s(self) -> float:
+        rows = sum(r for r, _ in self._window)
+        seconds = sum(s for _, s in self._window)
+        return rows / seconds if rows and seconds else self.initial_rate
+
+    def _step_debt(self) -> float:
+        return sum(max(0.0, cost - steps) for cost, steps in self._debt.values())
+
+    def routing_stats(self) -> dict:
+        with self._lock:
+            rate = self._row_steps_per_s()
+            debt = self._step_debt()
+            return {
+                "step_debt": debt,
+                "row_steps_per_s": rate,
+                "predicted_drain_s": debt / rate,
+                "live_requests": len(self._debt),
+                "steps_per_block": dict(self._steps_per_block),
+                "stats_time": time.time(),
+                **self._gauges,
+            }
+
+    def autoscaling_stats(self) -> dict[str, float]:
+        with self._lock:
+            return {"step_debt": self._step_debt(), "row_steps_per_s": self._row_steps_per_s()}
+
+    def report(self) -> dict:
+        """Everything since the last report, plus current gauges and routing stats."""
+        snapshot = self.routing_stats()
+        with self._lock:
+            out = {
+                "steps": self._steps, "forward_s": self._forward_s, "step_s": self._step_s,
+                "tokens": self._tokens, "blocks": self._blocks, "output_tokens": self._output_tokens,
+                "overheads_s": self._overheads, "batch_sizes": self._batch_sizes,
+                "block_steps": self._block_steps, "latencies_s": self._latencies,
+                "time_to_first_block_s": self._ttfb, "finished": dict(self._finished),
+                "gauges": snapshot,
+            }
+            self._reset_report()
+        return out

@@ -1,0 +1,63 @@
+"""The app config: YAML, overrides, clear errors, and the CLI's handling of them."""
+
+import subprocess
+import sys
+
+import pytest
+
+from cluster.config import AppConfig, ConfigError, load_config
+
+
+def test_defaults_are_valid():
+    config = load_config()
+    assert config.model == "tiny" and config.port == 8000 and config.metrics_port == 9400
+    assert config.model_name == "tiny"
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("replica:\n  max_batch: 8\nslo:\n  latency_s: 5\nautoscaling:\n  max_replicas: 3\n")
+    config = load_config(path, {"replica.max_batch": 4, "api_key": "k"})
+    assert config.replica.max_batch == 4 and config.slo.latency_s == 5
+    assert config.autoscaling.max_replicas == 3 and config.target_drain_s == 2.5
+    assert config.api_key.get_secret_value() == "k"
+
+
+@pytest.mark.parametrize("content,overrides,message", [
+    ("replica: [1, 2]\n", {}, "replica"),
+    ("", {"replica.max_batch": 0}, "replica.max_batch"),
+    ("", {"nonsense": 1}, "nonsense"),
+    ("", {"autoscaling.min_replicas": 3, "autoscaling.max_replicas": 2}, "max_replicas"),
+    ("", {"algorithm.name": "nope"}, "unknown algorithm"),
+    ("", {"algorithm.params": {"threshold": 7}}, "threshold"),
+    ("", {"port": 9400}, "differ"),
+    ("a: [", {}, "not valid YAML"),
+    ("- 1\n", {}, "mapping"),
+])
+def test_invalid_config_gives_a_clear_message(tmp_path, content, overrides, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, overrides)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config("/nonexistent/dllm.yaml")
+
+
+def test_cli_reports_bad_config_without_traceback():
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--set", "replica.max_batch=0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "replica.max_batch" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_up_help_documents_every_setting():
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    for key in ("replica.max_batch", "admission.cost_quantile", "slo.latency_s", "autoscaling.max_replicas",
+                "metrics_port", "api_key"):
+        assert key in result.stdout
+    assert AppConfig.model_fields  # the epilog is generated from these

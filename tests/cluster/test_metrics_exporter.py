@@ -1,0 +1,48 @@
+"""The exporter turns replica reports into Prometheus series."""
+
+from prometheus_client import generate_latest
+
+from cluster.metrics import METRICS, MetricsExporter
+from replicas.monitor import ReplicaMonitor
+from replicas.stats import StepStats
+
+
+def sample(text: str, name: str, labels: str = "") -> float:
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{labels}") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{{labels}}} not exported")
+
+
+def test_report_becomes_series():
+    monitor = ReplicaMonitor(initial_row_steps_per_s=100.0)
+    for _ in range(3):
+        monitor.on_step(StepStats(batch_size=4, active_rows=4, num_tokens=64, forward_s=0.009, step_s=0.01,
+                                  waiting=2, running=4, blocks_committed=1, block_steps=(3,)))
+    monitor.set_gauges(waiting=2, running=4, free_pages=90, total_pages=100)
+    monitor.request_started("a", cost=50)
+    monitor.request_progressed("a", 20)
+    monitor.request_started("b", cost=10)
+    monitor.request_finished("b", "stop", latency_s=0.5, time_to_first_block_s=0.1, output_tokens=16)
+    exporter = MetricsExporter()
+    exporter.push_replica("r1", monitor.report())
+    exporter.record_admission(True)
+    exporter.record_admission(False, "step_capacity")
+    text = generate_latest(exporter.registry).decode()
+    assert sample(text, "dllm_steps_total", 'replica="r1"') == 3
+    assert sample(text, "dllm_step_debt", 'replica="r1"') == 30  # 50 - 20; b has ended
+    assert sample(text, "dllm_step_queue_length", 'replica="r1"') == 2
+    assert sample(text, "dllm_free_pages", 'replica="r1"') == 90
+    assert abs(sample(text, "dllm_compute_ratio", 'replica="r1"') - 0.9) < 1e-9
+    assert sample(text, "dllm_dispatch_overhead_seconds_count", 'replica="r1"') == 3
+    assert sample(text, "dllm_requests_total", 'finish_reason="stop",replica="r1"') == 1
+    assert sample(text, "dllm_request_latency_seconds_count", 'replica="r1"') == 1
+    assert sample(text, "dllm_admitted_total") == 1
+    assert sample(text, "dllm_rejected_total", 'reason="step_capacity"') == 1
+    assert sample(text, "dllm_replicas") == 1
+    assert exporter.cluster_view()["r1"]["step_debt"] == 30
+    # a second report only adds what happened since the first
+    exporter.push_replica("r1", monitor.report())
+    assert sample(generate_latest(exporter.registry).decode(), "dllm_steps_total", 'replica="r1"') == 3
+    for spec in METRICS:
+        assert f"# HELP {spec.name}" in text

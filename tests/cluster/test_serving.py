@@ -1,0 +1,221 @@
+"""End to end against a real `dllm-serve up`: OpenAI client, load, overload, bad input, metrics."""
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from cluster.metrics import METRICS
+from replicas.engine import Engine, EngineConfig
+from replicas.evaluation import TINY_MAX_TOKENS, score, tiny_params
+from replicas.request import RequestOutput
+from replicas.tiny import task
+
+SIX_PUZZLES = next(r for r in task.heldout_requests() if len(r.puzzles) == 6)
+SLOW = {"algorithm": "fixed_steps", "algorithm_params": {"steps": 16}}  # 17 steps per block
+
+
+def series(text: str, name: str) -> dict[str, float]:
+    """All samples of one metric: label string -> value."""
+    out = {}
+    for line in text.splitlines():
+        match = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
+        if match:
+            out[match.group(1) or ""] = float(match.group(2))
+    return out
+
+
+def total(text: str, name: str, label_filter: str = "") -> float:
+    return sum(v for k, v in series(text, name).items() if label_filter in k)
+
+
+async def post_all(base_url: str, bodies: list[dict], concurrency: int, timeout: float = 120) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+        semaphore = asyncio.Semaphore(concurrency)
+
+        async def one(body):
+            async with semaphore:
+                return await client.post("/v1/completions", json=body)
+
+        return await asyncio.wait_for(asyncio.gather(*(one(b) for b in bodies)), timeout=timeout + 60)
+
+
+def test_openai_client_completes_chats_and_streams(cluster):
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+    completion = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=TINY_MAX_TOKENS)
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.usage.prompt_tokens == 112 and completion.usage.completion_tokens == 96
+    assert sum(task.grade(SIX_PUZZLES, completion.choices[0].text)) >= 5
+
+    chat = client.chat.completions.create(model="tiny", max_tokens=TINY_MAX_TOKENS,
+                                          messages=[{"role": "user", "content": SIX_PUZZLES.prompt}])
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == completion.choices[0].text
+
+    arrivals, chunks = [], []
+    stream = client.chat.completions.create(model="tiny", max_tokens=TINY_MAX_TOKENS, stream=True,
+                                            messages=[{"role": "user", "content": SIX_PUZZLES.prompt}],
+                                            extra_body=SLOW)
+    for chunk in stream:
+        arrivals.append(time.monotonic())
+        chunks.append(chunk)
+    texts = [c.choices[0].delta.content for c in chunks]
+    block_steps = chunks[-1].model_extra["dllm"]["block_steps"]
+    # one chunk per committed block: six grids of 16 cells, then the EOS block (no text)
+    assert len(chunks) == len(block_steps) == 7
+    assert [len(t) for t in texts] == [16] * 6 + [0]
+    assert all(s == 17 for s in block_steps)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # streamed as they commit, not all at the end
+    assert arrivals[-1] - arrivals[0] > 0.05
+
+    text_stream = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=32, stream=True)
+    pieces = [c.choices[0].text for c in text_stream]
+    assert "".join(pieces) == completion.choices[0].text[:32] and len(pieces) == 2
+
+
+def test_64_concurrent_requests_on_two_replicas_match_offline_accuracy(cluster):
+    requests = task.heldout_requests()[:192]
+    bodies = [{"model": "tiny", "prompt": r.prompt, "max_tokens": TINY_MAX_TOKENS} for r in requests]
+    responses = asyncio.run(post_all(cluster.base_url, bodies, concurrency=64))
+    assert [r.status_code for r in responses] == [200] * len(bodies)
+    payloads = [r.json() for r in responses]
+    assert {p["dllm"]["replica"] for p in payloads} == set(json.loads(_status_json())["replicas"])
+    assert len({p["dllm"]["replica"] for p in payloads}) == 2
+    http_outputs = [RequestOutput("", [], p["choices"][0]["text"]) for p in payloads]
+    http_accuracy = score(requests, http_outputs)["request_accuracy"]
+    engine = Engine.from_pretrained("tiny", EngineConfig(max_batch=16))
+    offline_accuracy = score(requests, engine.generate([r.prompt for r in requests], tiny_params()))["request_accuracy"]
+    assert abs(http_accuracy - offline_accuracy) <= 0.01
+
+
+def _status_json() -> str:
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--json"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_burst_above_capacity_is_refused_cleanly(cluster):
+    """Capacity is 2 x 5000 row-steps; each request may cost 7 blocks x 17 steps = 119."""
+    bodies = [{"model": "tiny", "prompt": r.prompt, "max_tokens": TINY_MAX_TOKENS}
+              for r in task.make_requests(300, seed=99)]
+    responses = asyncio.run(post_all(cluster.base_url, bodies, concurrency=300))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429}
+    refused = [r for r in responses if r.status_code == 429]
+    admitted = [r for r in responses if r.status_code == 200]
+    assert len(refused) >= 100 and len(admitted) >= 50
+    for response in refused:
+        assert int(response.headers["Retry-After"]) >= 1
+        assert response.json()["error"]["type"] == "rate_limit_error"
+    for response in admitted:
+        assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+BAD_INPUTS = [
+    ("malformed JSON", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, "invalid_request_error"),
+    ("prompt of wrong type", "/v1/completions", {"model": "tiny", "prompt": 123}, 400, "invalid_request_error"),
+    ("max_tokens of wrong type", "/v1/completions", {"model": "tiny", "prompt": "1", "max_tokens": "many"}, 400, "invalid_request_error"),
+    ("stream of wrong type", "/v1/completions", {"model": "tiny", "prompt": "1", "stream": "yes"}, 400, "invalid_request_error"),
+    ("missing prompt", "/v1/completions", {"model": "tiny"}, 400, "invalid_request_error"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "1"}, 404, "not_found_error"),
+    ("max_tokens zero", "/v1/completions", {"model": "tiny", "prompt": "1", "max_tokens": 0}, 400, "invalid_request_error"),
+    ("max_tokens negative", "/v1/completions", {"model": "tiny", "prompt": "1", "max_tokens": -5}, 400, "invalid_request_error"),
+    ("max_tokens over the limit", "/v1/completions", {"model": "tiny", "prompt": "1", "max_tokens": 10**6}, 400, "invalid_request_error"),
+    ("prompt longer than the context", "/v1/completions", {"model": "tiny", "prompt": "1" * 600}, 400, "invalid_request_error"),
+    ("unknown algorithm", "/v1/completions", {"model": "tiny", "prompt": "1", "algorithm": "magic"}, 400, "invalid_request_error"),
+    ("bad threshold", "/v1/completions", {"model": "tiny", "prompt": "1", "threshold": 5}, 400, "invalid_request_error"),
+    ("unknown algorithm parameter", "/v1/completions", {"model": "tiny", "prompt": "1", "algorithm_params": {"x": 1}}, 400, "invalid_request_error"),
+    ("block length the model lacks", "/v1/completions", {"model": "tiny", "prompt": "1", "block_length": 32}, 400, "invalid_request_error"),
+    ("mode the replicas do not run", "/v1/completions", {"model": "tiny", "prompt": "1", "mode": "sync"}, 400, "invalid_request_error"),
+    ("several choices", "/v1/completions", {"model": "tiny", "prompt": "1", "n": 3}, 400, "invalid_request_error"),
+    ("empty prompt", "/v1/completions", {"model": "tiny", "prompt": ""}, 400, "invalid_request_error"),
+    ("empty messages", "/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "invalid_request_error"),
+    ("message without content", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, "invalid_request_error"),
+    ("unknown role", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "god", "content": "1"}]}, 400, "invalid_request_error"),
+    ("unknown route", "/v1/engines", {"model": "tiny"}, 404, "not_found_error"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,error_type", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_an_openai_error(cluster, name, path, body, status, error_type):
+    kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(cluster.base_url + path, timeout=30, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == error_type and error["message"]
+
+
+def test_literal_mask_token_is_text_and_replicas_keep_serving(cluster):
+    response = httpx.post(cluster.base_url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "[MASK]", "max_tokens": 16})
+    assert response.status_code == 200
+    assert response.json()["usage"]["prompt_tokens"] == 6  # six characters, not one mask
+    for request in task.heldout_requests()[:4]:
+        ok = httpx.post(cluster.base_url + "/v1/completions", timeout=30,
+                        json={"model": "tiny", "prompt": request.prompt, "max_tokens": TINY_MAX_TOKENS})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def wait_idle_metrics(cluster, timeout=20.0) -> str:
+    """A scrape taken once every replica reports no live request and a full page pool."""
+    deadline = time.monotonic() + timeout
+    while True:
+        time.sleep(1.0)
+        text = cluster.metrics_text()
+        free, pages = series(text, "dllm_free_pages"), series(text, "dllm_total_pages")
+        live = total(text, "dllm_running_requests") + total(text, "dllm_step_queue_length")
+        if free and free == pages and live == 0:
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"replicas did not go idle: free {free} of {pages}, live {live}")
+
+
+def test_metrics_after_load_are_complete_and_consistent(cluster):
+    before = wait_idle_metrics(cluster)
+    requests = task.heldout_requests()[200:240]
+    bodies = [{"model": "tiny", "prompt": r.prompt, "max_tokens": TINY_MAX_TOKENS} for r in requests]
+    payloads = [r.json() for r in asyncio.run(post_all(cluster.base_url, bodies, concurrency=20))]
+    after = wait_idle_metrics(cluster)
+
+    def delta(name, label_filter=""):
+        return total(after, name, label_filter) - total(before, name, label_filter)
+
+    for spec in METRICS:
+        assert f"# TYPE {spec.name}" in after, spec.name
+    assert delta("dllm_requests_total", 'finish_reason="stop"') == len(requests)
+    assert delta("dllm_admitted_total") == len(requests)
+    assert delta("dllm_blocks_committed_total") == sum(len(p["dllm"]["block_steps"]) for p in payloads)
+    assert delta("dllm_output_tokens_total") == sum(p["usage"]["completion_tokens"] for p in payloads)
+    row_steps = sum(p["dllm"]["steps"] for p in payloads)
+    assert max(p["dllm"]["steps"] for p in payloads) <= delta("dllm_steps_total") <= row_steps
+    assert delta("dllm_steps_per_block_count") == delta("dllm_blocks_committed_total")
+    assert delta("dllm_request_latency_seconds_count") == len(requests)
+    assert delta("dllm_time_to_first_block_seconds_count") == len(requests)
+    assert delta("dllm_dispatch_overhead_seconds_count") == delta("dllm_steps_total")
+    assert all(0 < v <= 1 for v in series(after, "dllm_compute_ratio").values())
+    assert total(after, "dllm_replicas") == 2
+    assert total(after, "dllm_rejected_total") >= 100  # from the burst test
+
+
+def test_client_disconnect_mid_stream_frees_pages(cluster):
+    before = wait_idle_metrics(cluster)
+    body = {"model": "tiny", "prompt": SIX_PUZZLES.prompt, "max_tokens": TINY_MAX_TOKENS, "stream": True, **SLOW}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", cluster.base_url + "/v1/completions", json=body) as response:
+            first = next(response.iter_lines())
+            assert first.startswith("data: ")
+        # leaving the block closes the connection mid-stream
+    after = wait_idle_metrics(cluster)
+    assert total(after, "dllm_requests_total", 'finish_reason="abort"') - \
+        total(before, "dllm_requests_total", 'finish_reason="abort"') == 1
