@@ -42,6 +42,8 @@ class TrainConfig:
     lr: float = 2e-3
     warmup_steps: int = 30
     weight_decay: float = 0.01
+    noisy_copies: int = 1  # independently masked copies of the answer per sequence
+    mask_ratio_exponent: float = 1.0  # t = u ** exponent, u ~ U(0, 1]; < 1 favours heavy masking
     # training-only sampling: more puzzles per request and more blanks carry more signal
     k_weights: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     blank_weights: list[float] = field(default_factory=lambda: [1.0] * (task.MAX_BLANKS + 1))
@@ -59,32 +61,37 @@ class TaskTokens:
         self.mask = mask
 
 
-def training_mask() -> torch.Tensor:
-    """``BoolTensor[1, 1, S, S]`` for the training layout (True = may attend)."""
-    clean_blocks = ANSWER_BLOCKS - 1
-    prompt_page = torch.arange(PROMPT) // L
-    clean_page = task.SLOTS + torch.arange(clean_blocks * L) // L
-    noisy_block = torch.arange(ANSWER_BLOCKS * L) // L
-    page = torch.cat([prompt_page, clean_page])
-    causal = page[:, None] >= page[None, :]  # prompt + clean, block-causal
-    noisy_to_context = page[None, :] < (task.SLOTS + noisy_block)[:, None]
-    noisy_to_noisy = noisy_block[:, None] == noisy_block[None, :]
-    context_rows = torch.cat([causal, torch.zeros(len(page), len(noisy_block), dtype=torch.bool)], 1)
-    noisy_rows = torch.cat([noisy_to_context, noisy_to_noisy], 1)
+def training_mask(copies: int) -> torch.Tensor:
+    """``BoolTensor[1, 1, S, S]`` for the training layout with ``copies`` noisy copies of
+    the answer (True = may attend)."""
+    context_page = torch.cat([
+        torch.arange(PROMPT) // L, task.SLOTS + torch.arange((ANSWER_BLOCKS - 1) * L) // L
+    ])
+    noisy_block = torch.arange(copies * ANSWER_BLOCKS * L) // L  # one id per noisy block
+    noisy_page = task.SLOTS + noisy_block % ANSWER_BLOCKS
+    context_rows = torch.cat([
+        context_page[:, None] >= context_page[None, :],  # block-causal
+        torch.zeros(len(context_page), len(noisy_block), dtype=torch.bool),
+    ], 1)
+    noisy_rows = torch.cat([
+        context_page[None, :] < noisy_page[:, None],  # the prompt and earlier clean blocks
+        noisy_block[:, None] == noisy_block[None, :],  # itself
+    ], 1)
     return torch.cat([context_rows, noisy_rows], 0)[None, None]
 
 
-def training_positions() -> torch.Tensor:
+def training_positions(copies: int) -> torch.Tensor:
     answer = PROMPT + torch.arange(ANSWER_BLOCKS * L)
-    return torch.cat([torch.arange(PROMPT), answer[: (ANSWER_BLOCKS - 1) * L], answer])
+    return torch.cat([torch.arange(PROMPT), answer[:-L], answer.repeat(copies)])
 
 
 def sample_batch(
     tokens: TaskTokens, cfg: TrainConfig, generator: torch.Generator, exclude: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids [B, S], targets [B, 7*L])``; targets are -100 where not masked."""
+    """``(input_ids [B, S], targets [B, copies*7*L])``; targets are -100 where not masked."""
     b = cfg.batch_size
-    k = 1 + torch.multinomial(torch.tensor(cfg.k_weights, dtype=torch.float), b, replacement=True, generator=generator)
+    k_weights = torch.tensor(cfg.k_weights, dtype=torch.float)
+    k = 1 + torch.multinomial(k_weights, b, replacement=True, generator=generator)
     filled = torch.arange(task.SLOTS)[None] < k[:, None]  # [B, 7]
     givens, solutions = task.sample_puzzles(
         int(filled.sum()), generator, torch.tensor(cfg.blank_weights), exclude
@@ -93,14 +100,14 @@ def sample_batch(
     answer = torch.full((b, task.SLOTS, L), tokens.eos)
     prompt[filled] = tokens.digit[givens]
     answer[filled] = tokens.digit[solutions]
-    t = 1.0 - torch.rand(b, task.SLOTS, 1, generator=generator)  # (0, 1]
-    masked = torch.rand(b, task.SLOTS, L, generator=generator) < t
-    noisy = answer.masked_fill(masked, tokens.mask)
-    input_ids = torch.cat(
-        [prompt.flatten(1), answer[:, :-1].flatten(1), noisy.flatten(1)], 1
-    )
-    targets = answer.masked_fill(~masked, -100).flatten(1)
-    return input_ids, targets
+    shape = (b, cfg.noisy_copies, task.SLOTS)
+    t = (1.0 - torch.rand(*shape, 1, generator=generator)) ** cfg.mask_ratio_exponent  # (0, 1]
+    masked = torch.rand(*shape, L, generator=generator) < t
+    answers = answer[:, None].expand(shape + (L,))
+    input_ids = torch.cat([
+        prompt.flatten(1), answer[:, :-1].flatten(1), answers.masked_fill(masked, tokens.mask).flatten(1)
+    ], 1)
+    return input_ids, answers.masked_fill(~masked, -100).flatten(1)
 
 
 class _MonitorContext:
@@ -238,7 +245,7 @@ def train_tiny(
     log(f"tiny model: {sum(p.numel() for p in net.parameters()):,} parameters")
     optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
                                   weight_decay=cfg.weight_decay)
-    mask, positions = training_mask(), training_positions()
+    mask, positions = training_mask(cfg.noisy_copies), training_positions(cfg.noisy_copies)
     exclude = task.heldout_keys()
     heldout = task.heldout_requests()
     budget = max_minutes * 60.0
