@@ -23,56 +23,62 @@ import torch.nn.functional as F
 class BatchLayout:
     """Where each new token of a step lives; built by the runner, read by attention.
 
-    T new tokens over B rows; Kmax = the longest row's key span (its pages x L).
+    The T new tokens come in U page-sized *units* (a unit is at most one page of one row,
+    and starts at the page's first slot). Attention is computed per unit: its queries
+    share one page, so they see the same keys (every valid slot of the row's pages up to
+    and including their own), which is exactly the block-causal mask.
     """
 
-    query_start: torch.Tensor  # [B+1] cumulative new-token counts
-    token_segment: torch.Tensor  # [T] page index within its row of each new token
+    unit_start: torch.Tensor  # [U+1] cumulative new-token counts per unit
     slot_mapping: torch.Tensor  # [T] flat cache slot each new token's K/V goes to
-    key_slots: torch.Tensor  # [B, Kmax] flat cache slot of each key position
-    key_segment: torch.Tensor  # [B, Kmax] page index within the row of each key
-    key_valid: torch.Tensor  # [B, Kmax] False for unused slots (partial prompt page, padding)
+    key_slots: torch.Tensor  # [U, Kmax] flat cache slot of each key position
+    key_valid: torch.Tensor  # [U, Kmax] False for unused slots (partial prompt page, padding)
 
 
 class PagedAttentionContext:
-    """Torch SDPA over gathered pages (CPU and fallback backend)."""
+    """Torch SDPA over gathered pages, one attention row per unit (CPU and fallback)."""
 
-    def __init__(self, layout: BatchLayout, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]):
+    def __init__(self, layout: BatchLayout, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                 page_size: int):
+        device = k_cache[0].device
         self.k_cache = k_cache
         self.v_cache = v_cache
-        self.slot_mapping = layout.slot_mapping
-        self.key_slots = layout.key_slots
-        rows = layout.query_start.numel() - 1
-        lens = layout.query_start[1:] - layout.query_start[:-1]
-        self.rows = rows
-        self.qmax = int(lens.max())
-        token_row = torch.repeat_interleave(torch.arange(rows), lens)
-        offset = torch.arange(layout.token_segment.numel()) - layout.query_start[token_row]
-        self.pad_index = token_row * self.qmax + offset
-        q_segment = torch.full((rows * self.qmax,), -1, dtype=torch.long)
-        q_segment[self.pad_index] = layout.token_segment
-        q_segment = q_segment.view(rows, self.qmax, 1)
-        mask = layout.key_valid[:, None, :] & (layout.key_segment[:, None, :] <= q_segment)
-        # padding queries see everything so that no softmax row is empty
-        mask |= (q_segment < 0)
-        self.mask = mask.unsqueeze(1)  # [B, 1, Qmax, Kmax]
+        self.slot_mapping = layout.slot_mapping.to(device)
+        self.key_slots = layout.key_slots.to(device)
+        counts = layout.unit_start[1:] - layout.unit_start[:-1]
+        self.units = counts.numel()
+        self.page_size = page_size
+        # when every unit is a whole page (denoise-only steps) the packed queries already
+        # have the padded shape and need no scatter/gather
+        self.pad_index = None
+        if not bool((counts == page_size).all()):
+            token_unit = torch.repeat_interleave(torch.arange(self.units), counts)
+            offset = torch.arange(int(layout.unit_start[-1])) - layout.unit_start[token_unit]
+            self.pad_index = (token_unit * page_size + offset).to(device)
+        self.mask = layout.key_valid[:, None, None, :].to(device)  # [U, 1, 1, Kmax]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q[T, H, D]``, ``k``/``v[T, Hkv, D]`` -> ``[T, H, D]``."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
-        keys = k_cache[self.key_slots].transpose(1, 2)  # [B, Hkv, Kmax, D]
-        values = v_cache[self.key_slots].transpose(1, 2)
+        units, span = self.key_slots.shape
+        flat_slots = self.key_slots.view(-1)
+        keys = k_cache.index_select(0, flat_slots).view(units, span, *k_cache.shape[1:]).transpose(1, 2)
+        values = v_cache.index_select(0, flat_slots).view(units, span, *v_cache.shape[1:]).transpose(1, 2)
         heads, dim = q.shape[1], q.shape[2]
-        padded = q.new_zeros(self.rows * self.qmax, heads, dim)
-        padded[self.pad_index] = q
-        padded = padded.view(self.rows, self.qmax, heads, dim).transpose(1, 2)
+        if self.pad_index is None:
+            padded = q
+        else:
+            padded = q.new_zeros(units * self.page_size, heads, dim)
+            padded[self.pad_index] = q
+        padded = padded.view(units, self.page_size, heads, dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             padded, keys.to(q.dtype), values.to(q.dtype), attn_mask=self.mask,
             enable_gqa=heads != keys.shape[1],
         )
-        return out.transpose(1, 2).reshape(self.rows * self.qmax, heads, dim)[self.pad_index]
+        out = out.transpose(1, 2).reshape(units * self.page_size, heads, dim)
+        return out if self.pad_index is None else out[self.pad_index]
 
 
 class DenseAttentionContext:

@@ -26,41 +26,30 @@ class ModelRunner:
         """Packed input ids, positions, attention layout and the block tokens' indices."""
         size, slots, offsets = self.block_length, self.slots, self._offsets
         unit_slot = batch.row_slots[batch.unit_row]
-        flat_page = unit_slot * slots.max_pages + batch.unit_segment
+        segment = batch.unit_segment
+        flat_page = unit_slot * slots.max_pages + segment
         valid = offsets < batch.unit_count[:, None]  # [U, L]
         input_ids = slots.tokens.view(-1, size)[flat_page][valid]
-        positions = (batch.unit_segment[:, None] * size + offsets)[valid]
+        positions = (segment[:, None] * size + offsets)[valid]
         page = slots.page_table.view(-1)[flat_page]
         page = torch.where(batch.unit_scratch, PagePool.SCRATCH_PAGE, page)
         slot_mapping = (page[:, None] * size + offsets)[valid]
-        token_segment = batch.unit_segment[:, None].expand(-1, size)[valid]
 
-        rows = batch.row_slots.numel()
-        row_tokens = torch.zeros(rows, dtype=torch.long).index_add_(0, batch.unit_row, batch.unit_count)
-        query_start = torch.zeros(rows + 1, dtype=torch.long)
-        torch.cumsum(row_tokens, 0, out=query_start[1:])
-        row_last = torch.zeros(rows, dtype=torch.long).scatter_reduce_(
-            0, batch.unit_row, batch.unit_segment, reduce="amax", include_self=False)
-        key_pages = int(row_last.max()) + 1
-        table = slots.page_table[batch.row_slots, :key_pages]
-        key_slots = (table[:, :, None] * size + offsets).view(rows, key_pages * size)
+        unit_start = torch.zeros(batch.unit_count.numel() + 1, dtype=torch.long)
+        torch.cumsum(batch.unit_count, 0, out=unit_start[1:])
+        key_pages = int(segment.max()) + 1
+        table = slots.page_table[unit_slot, :key_pages]
+        key_slots = (table[:, :, None] * size + offsets).view(-1, key_pages * size)
         key_segment = torch.arange(key_pages).repeat_interleave(size)
         key_offset = offsets.repeat(key_pages)
-        prompt_last = slots.prompt_pages[batch.row_slots, None] - 1
-        prompt_tail = slots.prompt_tail[batch.row_slots, None]
-        key_valid = (key_segment <= row_last[:, None]) & (
+        prompt_last = slots.prompt_pages[unit_slot, None] - 1
+        prompt_tail = slots.prompt_tail[unit_slot, None]
+        key_valid = (key_segment <= segment[:, None]) & (
             (key_segment != prompt_last) | (key_offset < prompt_tail))
 
-        unit_start = torch.cumsum(batch.unit_count, 0) - batch.unit_count
-        logits_index = (unit_start[batch.unit_is_block][:, None] + offsets).view(-1)
-        layout = BatchLayout(
-            query_start=query_start,
-            token_segment=token_segment,
-            slot_mapping=slot_mapping,
-            key_slots=key_slots,
-            key_segment=key_segment.expand(rows, -1),
-            key_valid=key_valid,
-        )
+        logits_index = (unit_start[:-1][batch.unit_is_block][:, None] + offsets).view(-1)
+        layout = BatchLayout(unit_start=unit_start, slot_mapping=slot_mapping,
+                             key_slots=key_slots, key_valid=key_valid)
         return input_ids, positions, layout, logits_index
 
     @torch.inference_mode()
@@ -68,7 +57,7 @@ class ModelRunner:
         """Logits ``[R, L, V]`` of the batch's block units, and the forward's seconds."""
         input_ids, positions, layout, logits_index = self.build_inputs(batch)
         start = time.perf_counter()
-        context = PagedAttentionContext(layout, self.kv_cache.k, self.kv_cache.v)
+        context = PagedAttentionContext(layout, self.kv_cache.k, self.kv_cache.v, self.block_length)
         logits = self.model(input_ids.to(self.device), positions.to(self.device), context,
                             logits_index.to(self.device))
         if self.device.type == "cuda":
