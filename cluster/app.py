@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 def engine_config(config: AppConfig) -> dict:
     replica = config.replica
     return {
-        "mode": replica.mode, "max_batch": replica.max_batch, "num_pages": replica.num_pages,
+        "mode": replica.mode.value, "max_batch": replica.max_batch, "num_pages": replica.num_pages,
         "max_tokens_per_step": replica.max_tokens_per_step, "max_model_len": replica.max_model_len,
         "default_algorithm": config.algorithm.name, "default_algorithm_params": config.algorithm.params,
-        "device": replica.device, "dtype": replica.dtype,
+        "device": replica.device, "dtype": replica.dtype, "fill_timeout_s": replica.fill_timeout_s,
     }
 
 

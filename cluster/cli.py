@@ -13,12 +13,15 @@ import threading
 import yaml
 
 from algorithms import available_algorithms
+from replicas.scheduler import SchedulerMode
+
+MODES = [mode.value for mode in SchedulerMode]
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny",
                         help="checkpoint directory, or 'tiny' for the embedded model (default)")
-    parser.add_argument("--mode", choices=["fdfo", "sync", "static"], default="fdfo",
+    parser.add_argument("--mode", choices=MODES, default="fdfo",
                         help="scheduler mode (default fdfo)")
     parser.add_argument("--max-batch", type=int, default=16, help="rows per step (default 16)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
@@ -144,7 +147,7 @@ def cmd_up(args) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(f"starting dllm-serve: model {config.model_name}, {config.autoscaling.min_replicas}"
-          f"-{config.autoscaling.max_replicas} replica(s), mode {config.replica.mode}", flush=True)
+          f"-{config.autoscaling.max_replicas} replica(s), mode {config.replica.mode.value}", flush=True)
     try:
         metrics_url = deploy(config, args.address)
         base = f"http://{config.host}:{config.port}"
@@ -210,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = commands.add_parser("eval-tiny", help="accuracy and steps-per-block histogram of the tiny model")
     ev.add_argument("--model", default="tiny")
-    ev.add_argument("--modes", nargs="+", default=["fdfo", "sync"], choices=["fdfo", "sync", "static"])
+    ev.add_argument("--modes", nargs="+", default=["fdfo", "sync"], choices=MODES)
     ev.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
     ev.add_argument("--requests", type=int, default=300, help="held-out requests (default 300)")
     ev.add_argument("--algorithm", choices=available_algorithms(), default="low_confidence")
@@ -234,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--min-replicas", type=int)
     up.add_argument("--max-replicas", type=int)
     up.add_argument("--max-batch", type=int)
-    up.add_argument("--mode", choices=["fdfo", "sync", "static"])
+    up.add_argument("--mode", choices=MODES)
     up.add_argument("--algorithm", choices=available_algorithms())
     up.add_argument("--host")
     up.add_argument("--port", type=int)

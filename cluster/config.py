@@ -11,6 +11,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from replicas.scheduler import SchedulerMode
+
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the field and the problem."""
@@ -21,7 +23,9 @@ class _Section(BaseModel):
 
 
 class ReplicaSettings(_Section):
-    mode: Literal["fdfo", "sync", "static"] = Field("fdfo", description="scheduler mode of every replica")
+    mode: SchedulerMode = Field(SchedulerMode.FDFO, description="scheduler mode of every replica")
+    fill_timeout_s: float | None = Field(
+        None, ge=0, description="fixed_fill mode: batch fill timeout in seconds (default: tuned online)")
     max_batch: int = Field(16, ge=1, le=1024, description="rows per denoise step")
     num_pages: int | None = Field(None, ge=2, description="KV pages per replica (default: max_batch full-length requests)")
     max_tokens_per_step: int | None = Field(None, ge=1, description="new-token budget per step (chunked prefill)")

@@ -92,7 +92,7 @@ class Ingress:
             raise bad_request(f"this model decodes in blocks of {block}; block_length {body.block_length} "
                               f"is not available", param="block_length")
         if body.mode is not None and body.mode != self.config.replica.mode:
-            raise bad_request(f"the replicas run in mode '{self.config.replica.mode}'", param="mode")
+            raise bad_request(f"the replicas run in mode '{self.config.replica.mode.value}'", param="mode")
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         if not prompt_ids:
             raise bad_request("the prompt is empty", param="prompt")

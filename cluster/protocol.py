@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from replicas.scheduler import SchedulerMode
+
 
 class DllmExtensions(BaseModel):
     """Request fields beyond OpenAI's: how the blocks are denoised."""
@@ -21,7 +23,7 @@ class DllmExtensions(BaseModel):
     threshold: float | None = Field(None, description="confidence threshold of the algorithm")
     algorithm_params: dict[str, Any] | None = Field(None, description="any other algorithm parameter")
     block_length: int | None = Field(None, description="must equal the model's block length")
-    mode: Literal["fdfo", "sync", "static"] | None = Field(None, description="must equal the replicas' mode")
+    mode: SchedulerMode | None = Field(None, description="must equal the replicas' mode")
 
 
 class SamplingFields(DllmExtensions):

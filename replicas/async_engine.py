@@ -44,7 +44,10 @@ class AsyncEngine:
             except Exception:  # the loop must survive anything a step throws
                 log.exception("engine step failed")
                 continue
-            if stats is not None and self.on_step is not None:
+            if stats is None:  # holding to fill a batch, or nothing runnable
+                self._wake.wait(timeout=min(max(engine.hold_s(), 0.001), 0.05))
+                self._wake.clear()
+            elif self.on_step is not None:
                 self.on_step(stats)
 
     @property

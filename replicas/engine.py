@@ -44,6 +44,7 @@ class EngineConfig:
     default_algorithm_params: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
     dtype: str = "float32"
+    fill_timeout_s: float | None = None  # fixed_fill: None = tuned online, else fixed seconds
 
 
 class Engine:
@@ -72,7 +73,7 @@ class Engine:
         kv_cache = KVCache(spec.num_layers, num_pages, size, spec.num_kv_heads, spec.head_dim, dtype, device)
         self.runner = ModelRunner(self.model, self.slots, kv_cache, device)
         self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.slots, config.max_batch,
-                                   budget, size, spec.mask_token_id)
+                                   budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout)
         self.outputs = OutputProcessor(tokenizer, spec.eos_token_id)
         self.totals = EngineTotals()
         self._requests: dict[str, Request] = {}
@@ -139,6 +140,14 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self._inbox or self.scheduler.has_work())
+
+    def hold_s(self) -> float:
+        """How long the scheduler chose to wait before its next step (fixed_fill), else 0."""
+        hold_until = self.scheduler.hold_until
+        return max(0.0, hold_until - time.monotonic()) if hold_until is not None else 0.0
+
+    def _fill_timeout(self) -> float:
+        return self.config.fill_timeout_s or 0.0
 
     # ---- the step loop -------------------------------------------------------------
     def step(self) -> StepStats | None:
@@ -274,6 +283,8 @@ class Engine:
             order.append(self.add_request(prompt, p, on_output=collect))
         while self.has_work():
             stats = self.step()
-            if stats is not None and on_step is not None:
+            if stats is None:
+                time.sleep(min(self.hold_s(), 0.01))
+            elif on_step is not None:
                 on_step(stats)
         return [results[rid] for rid in order]

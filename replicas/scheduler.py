@@ -8,6 +8,10 @@
   until the round ends. Only then do rows move on and new requests join.
 * ``static`` (Fast-dLLM / HF generate): like ``sync`` block by block, but new requests
   join only when every request of the batch has finished.
+* ``fixed_fill`` (fixed-fill synchronized batching): like ``static``, but a new batch
+  starts only when it can be filled (``max_batch`` requests wait) or when the oldest
+  waiting request has waited the fill timeout. ``static`` is ``fixed_fill`` with a zero
+  timeout.
 
 Pages: admission reserves a request's worst case (prompt pages + max blocks); pages are
 taken from the reservation one block at a time and all returned on release.
@@ -16,7 +20,9 @@ taken from the reservation one block at a time and all returned on release.
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -30,6 +36,7 @@ class SchedulerMode(str, enum.Enum):
     FDFO = "fdfo"
     SYNC = "sync"
     STATIC = "static"
+    FIXED_FILL = "fixed_fill"
 
 
 _WAITING_FOR_ROUND = (Phase.BLOCK_DONE, Phase.FINISHED)
@@ -37,8 +44,12 @@ _WAITING_FOR_ROUND = (Phase.BLOCK_DONE, Phase.FINISHED)
 
 class Scheduler:
     def __init__(self, mode: SchedulerMode, pool: PagePool, slots: SlotTable, max_batch: int,
-                 max_tokens_per_step: int, block_length: int, mask_id: int):
+                 max_tokens_per_step: int, block_length: int, mask_id: int,
+                 fill_timeout: Callable[[], float] = lambda: 0.0):
         self.mode = SchedulerMode(mode)
+        self.batch_synchronous = self.mode in (SchedulerMode.STATIC, SchedulerMode.FIXED_FILL)
+        self.fill_timeout = fill_timeout  # seconds; read when a fixed_fill batch could start
+        self.hold_until: float | None = None  # fixed_fill: when to look at the queue again
         self.pool = pool
         self.slots = slots
         self.max_batch = max_batch
@@ -83,16 +94,29 @@ class Scheduler:
                 if request.phase is Phase.BLOCK_DONE:
                     request.block_index += 1
                     self._start_block(request)
-                elif request.phase is Phase.FINISHED and self.mode is not SchedulerMode.STATIC:
+                elif request.phase is Phase.FINISHED and not self.batch_synchronous:
                     self._release(request)
-            if self.mode is SchedulerMode.STATIC and all(r.phase is Phase.FINISHED for r in self.running):
+            if self.batch_synchronous and all(r.phase is Phase.FINISHED for r in self.running):
                 for request in list(self.running):
                     self._release(request)
         self._admission_open = self.mode is SchedulerMode.FDFO or not self.running or (
             self.mode is SchedulerMode.SYNC and round_over
         )
 
+    def _batch_may_start(self) -> bool:
+        """fixed_fill: start when the batch can be filled or the oldest waited long enough."""
+        self.hold_until = None
+        if self.mode is not SchedulerMode.FIXED_FILL or self.running or len(self.waiting) >= self.max_batch:
+            return True
+        deadline = self.waiting[0].arrival_time + self.fill_timeout()
+        if time.monotonic() >= deadline:
+            return True
+        self.hold_until = deadline
+        return False
+
     def _admit(self) -> None:
+        if not self.waiting or not self._batch_may_start():
+            return
         while self.waiting and len(self.running) < self.max_batch and self.slots.num_free:
             request = self.waiting[0]
             prompt_pages = -(-len(request.prompt_ids) // self.block_length)

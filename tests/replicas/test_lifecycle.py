@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -75,11 +76,11 @@ def test_literal_mask_text_is_not_a_mask(make_engine, tokenizer):
         engine.add_request([5, tokenizer.mask_token_id, 6])
 
 
-@pytest.mark.parametrize("mode", ["fdfo", "sync", "static"])
+@pytest.mark.parametrize("mode", ["fdfo", "sync", "static", "fixed_fill"])
 def test_no_page_leak_with_aborts(make_engine, mode):
     """500 random requests, 20% aborted mid-block at random steps: the pool ends full."""
     rng = random.Random(mode)
-    engine = make_engine(mode=mode, max_batch=16)
+    engine = make_engine(mode=mode, max_batch=16, fill_timeout_s=0.001)
     finals = {}
 
     def record(output):
@@ -93,7 +94,8 @@ def test_no_page_leak_with_aborts(make_engine, mode):
     to_abort = set(rng.sample(ids, 100))
     steps = 0
     while engine.has_work():
-        engine.step()
+        if engine.step() is None:
+            time.sleep(engine.hold_s())
         steps += 1
         for request_id in list(to_abort):
             request = engine._requests.get(request_id)
@@ -197,3 +199,25 @@ def test_async_cancel_aborts_and_frees_pages(make_engine):
         assert_pool_full(engine)
     finally:
         runner.shutdown()
+
+
+def test_fixed_fill_waits_to_fill_the_batch_or_for_the_timeout(make_engine):
+    engine = make_engine(mode="fixed_fill", max_batch=4, fill_timeout_s=0.3)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, algorithm_params={"threshold": 0.0})
+    for prompt in ["a", "b", "c"]:
+        engine.add_request(prompt, params)
+    assert engine.step() is None  # three of four rows: hold
+    assert 0 < engine.hold_s() <= 0.3
+    engine.add_request("d", params)
+    stats = engine.step()  # the fourth arrival fills the batch: start at once
+    assert stats is not None and stats.batch_size == 4
+    while engine.has_work():
+        engine.step()
+    engine.add_request("e", params)
+    start = time.monotonic()
+    assert engine.step() is None
+    while engine.has_work():
+        if engine.step() is None:
+            time.sleep(engine.hold_s())
+    assert time.monotonic() - start >= 0.29  # a lone request waited for the timeout
+    assert_pool_full(engine)

@@ -8,6 +8,7 @@ from replicas.engine import Engine, EngineConfig
 from replicas.evaluation import TINY_MAX_TOKENS, evaluate_tiny
 from replicas.models import load_model, load_tokenizer
 from replicas.request import SamplingParams
+from replicas.scheduler import SchedulerMode
 from replicas.tiny import task
 
 ALGORITHM_CASES = {
@@ -32,17 +33,17 @@ def test_every_algorithm_is_covered():
 
 @pytest.mark.parametrize("case", ALGORITHM_CASES)
 def test_modes_are_byte_identical_at_batch_1(tiny, case):
-    """fdfo, sync and static produce the same tokens for 50 prompts at batch size 1."""
+    """Every scheduler mode produces the same tokens for 50 prompts at batch size 1."""
     net, tokenizer = tiny
     requests = [r for r in task.heldout_requests() if len(r.puzzles) <= 2][:50]
     params = SamplingParams(max_tokens=TINY_MAX_TOKENS, algorithm=case.split(" ")[0],
                             algorithm_params=ALGORITHM_CASES[case])
     outputs = {}
-    for mode in ("fdfo", "sync", "static"):
-        engine = Engine(net, tokenizer, EngineConfig(mode=mode, max_batch=1))
+    for mode in SchedulerMode:
+        engine = Engine(net, tokenizer, EngineConfig(mode=mode.value, max_batch=1))
         outputs[mode] = [o.new_token_ids for o in engine.generate([r.prompt for r in requests], params)]
-    assert len(outputs["fdfo"]) == 50 and any(outputs["fdfo"])
-    assert outputs["fdfo"] == outputs["sync"] == outputs["static"]
+    assert len(outputs[SchedulerMode.FDFO]) == 50 and all(outputs[SchedulerMode.FDFO])
+    assert all(outputs[mode] == outputs[SchedulerMode.FDFO] for mode in SchedulerMode)
 
 
 def test_accuracy_in_both_modes_at_batch_1_and_16():

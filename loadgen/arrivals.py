@@ -1,0 +1,86 @@
+"""Arrival schedules: seeded Poisson processes and JSONL trace replay."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from loadgen.records import Arrival, LoadgenError
+
+
+def poisson_times(rate: float, seed: int, duration_s: float | None = None, count: int | None = None,
+                  max_count: int = 10000) -> list[float]:
+    """Send times (seconds from the start) of a Poisson process of ``rate`` per second.
+
+    Gaps are exponential with mean 1/rate, drawn from ``random.Random(seed)``; the schedule
+    ends after ``count`` arrivals, at ``duration_s``, or at ``max_count``, whichever is first.
+    """
+    if not rate > 0:
+        raise LoadgenError(f"the rate must be positive, got {rate}")
+    if duration_s is None and count is None:
+        raise LoadgenError("give a bound: --duration SECONDS or --requests N")
+    rng = random.Random(seed)
+    limit = max_count if count is None else min(count, max_count)
+    times, t = [], 0.0
+    while len(times) < limit:
+        t += rng.expovariate(rate)
+        if duration_s is not None and t > duration_s:
+            break
+        times.append(t)
+    return times
+
+
+def tiny_prompts(n: int, seed: int) -> list[str]:
+    """``n`` prompts of the tiny model's Sudoku task, drawn like its held-out set (seeded)."""
+    from replicas.tiny import task
+
+    return [request.prompt for request in task.make_requests(n, seed)]
+
+
+def with_prompts(times: list[float], prompts: list[str]) -> list[Arrival]:
+    """Pair send times with prompts, cycling through the prompts."""
+    return [Arrival(t, prompts[i % len(prompts)]) for i, t in enumerate(times)]
+
+
+def _trace_line(number: int, line: str) -> Arrival:
+    where = f"line {number}"
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise LoadgenError(f"{where}: not JSON ({exc.msg})") from None
+    if not isinstance(item, dict):
+        raise LoadgenError(f"{where}: expected a JSON object with timestamp, prompt and max_tokens")
+    timestamp, prompt, max_tokens = item.get("timestamp"), item.get("prompt"), item.get("max_tokens")
+    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or timestamp < 0:
+        raise LoadgenError(f"{where}: 'timestamp' must be a number of seconds >= 0, got {timestamp!r}")
+    if not isinstance(prompt, str) or not prompt:
+        raise LoadgenError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise LoadgenError(f"{where}: 'max_tokens' must be a positive integer, got {max_tokens!r}")
+    return Arrival(float(timestamp), prompt, max_tokens)
+
+
+def load_trace(path: str | Path, duration_s: float | None = None, count: int | None = None,
+               max_count: int = 10000) -> list[Arrival]:
+    """Arrivals from a JSONL file, one ``{"timestamp", "prompt", "max_tokens"}`` object per line.
+
+    Blank lines are skipped; the arrivals are sorted by timestamp and cut at ``duration_s``,
+    ``count`` and ``max_count``. A bad line raises ``LoadgenError`` naming the line.
+    """
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise LoadgenError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    try:
+        arrivals = [_trace_line(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    except LoadgenError as exc:
+        raise LoadgenError(f"trace {path}, {exc}") from None
+    arrivals.sort(key=lambda a: a.time_s)
+    if duration_s is not None:
+        arrivals = [a for a in arrivals if a.time_s <= duration_s]
+    arrivals = arrivals[:max_count if count is None else min(count, max_count)]
+    if not arrivals:
+        raise LoadgenError(f"trace {path} holds no requests (within the bounds given)")
+    return arrivals

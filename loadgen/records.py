@@ -1,0 +1,54 @@
+"""What the load generator records about one request."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+OK, REFUSED, ERROR = "ok", "refused", "error"
+
+
+class LoadgenError(Exception):
+    """Bad input or an unusable endpoint; the message is shown to the user as is."""
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One planned request: when to send it (seconds from the start) and what to ask."""
+
+    time_s: float
+    prompt: str
+    max_tokens: int | None = None  # None: the run's --max-tokens
+
+
+@dataclass
+class Record:
+    """The outcome of one request; times are seconds from the start of the run.
+
+    ``status`` is ``ok`` (streamed to ``[DONE]``), ``refused`` (HTTP 429) or ``error``.
+    ``latency_s`` is from the actual send to the end of the response (for every status);
+    ``ttfb_s`` from the send to the first streamed chunk that carries text.
+    ``tokens_from`` says where ``output_tokens`` came from: ``usage`` (the server's final
+    usage chunk) or ``characters`` (non-whitespace characters of the streamed text, exact
+    for the tiny model's character tokenizer, an approximation for other models).
+    """
+
+    index: int
+    planned_s: float
+    sent_s: float
+    status: str = ERROR
+    http_status: int | None = None
+    latency_s: float | None = None
+    ttfb_s: float | None = None
+    output_tokens: int = 0
+    tokens_from: str | None = None
+    steps: int | None = None
+    replica: str | None = None
+    retry_after_s: float | None = None
+    error: str | None = None
+
+    @property
+    def end_s(self) -> float | None:
+        return None if self.latency_s is None else self.sent_s + self.latency_s
+
+    def to_dict(self) -> dict:
+        return asdict(self)
