@@ -102,11 +102,24 @@ def report_table(report: dict) -> str:
 
 
 def cmd_bench(args) -> int:
-    from replicas.bench import bench_engine
+    if args.target == "engine":
+        from replicas.bench import bench_engine
 
-    result = bench_engine(args.model, num_requests=args.requests, max_batch=args.max_batch)
-    print(json.dumps(result, indent=2 if not args.json else None))
+        result = bench_engine(args.model, num_requests=args.requests or 256, max_batch=args.max_batch)
+    else:
+        from loadgen.policy_bench import bench_policies
+
+        result = bench_policies(args.model, num_requests=args.requests or 300, load=args.load, rate=args.rate,
+                                max_batch=args.max_batch, slo_latency_s=args.slo_latency, seed=args.seed,
+                                fill_timeout_s=args.fill_timeout)
+    print(json.dumps(result, indent=None if args.json else 2))
     return 0
+
+
+def cmd_loadgen(args) -> int:
+    from loadgen.cli import run_loadgen
+
+    return run_loadgen(args)
 
 
 _UP_SHORTCUTS = {  # flag dest -> config key
@@ -251,12 +264,23 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=cmd_status)
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    bench.add_argument("target", choices=["engine"], help="engine: fdfo vs sync vs static on one workload")
+    bench.add_argument("target", choices=["engine", "policies"],
+                       help="engine: fdfo vs sync vs static tokens/s on one closed workload; "
+                            "policies: static, sync, fixed_fill and fdfo latency and goodput under one Poisson load")
     bench.add_argument("--model", default="tiny")
-    bench.add_argument("--requests", type=int, default=256, help="closed batch size (default 256)")
+    bench.add_argument("--requests", type=int, help="requests (default 256 for engine, 300 for policies)")
     bench.add_argument("--max-batch", type=int, default=16)
+    bench.add_argument("--rate", type=float, help="policies: arrivals per second (default: --load x fdfo capacity)")
+    bench.add_argument("--load", type=float, default=0.7, help="policies: offered load as a fraction of fdfo capacity")
+    bench.add_argument("--slo-latency", type=float, default=1.0, help="policies: latency SLO for goodput (s)")
+    bench.add_argument("--fill-timeout", type=float, help="policies: fixed_fill timeout in s (default: tuned online)")
+    bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", action="store_true", help="one JSON object on one line")
     bench.set_defaults(func=cmd_bench)
+
+    from loadgen.cli import add_loadgen_parser
+
+    add_loadgen_parser(commands).set_defaults(func=cmd_loadgen)
     return parser
 
 

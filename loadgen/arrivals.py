@@ -8,9 +8,11 @@ from pathlib import Path
 
 from loadgen.records import Arrival, LoadgenError
 
+MAX_REQUESTS = 10000  # default hard cap on the requests of one run
+
 
 def poisson_times(rate: float, seed: int, duration_s: float | None = None, count: int | None = None,
-                  max_count: int = 10000) -> list[float]:
+                  max_count: int = MAX_REQUESTS) -> list[float]:
     """Send times (seconds from the start) of a Poisson process of ``rate`` per second.
 
     Gaps are exponential with mean 1/rate, drawn from ``random.Random(seed)``; the schedule
@@ -63,7 +65,7 @@ def _trace_line(number: int, line: str) -> Arrival:
 
 
 def load_trace(path: str | Path, duration_s: float | None = None, count: int | None = None,
-               max_count: int = 10000) -> list[Arrival]:
+               max_count: int = MAX_REQUESTS) -> list[Arrival]:
     """Arrivals from a JSONL file, one ``{"timestamp", "prompt", "max_tokens"}`` object per line.
 
     Blank lines are skipped; the arrivals are sorted by timestamp and cut at ``duration_s``,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from algorithms import AlgorithmError, get_algorithm
+from replicas.cost_model import OnlineCostModel
 from replicas.kv_cache import KVCache, PagePool
 from replicas.limits import length_error, pages_needed
 from replicas.models import load_model, load_tokenizer
@@ -45,6 +46,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     fill_timeout_s: float | None = None  # fixed_fill: None = tuned online, else fixed seconds
+    fdfo_fill_hold: bool = True  # fdfo: an under-filled step may wait briefly for arrivals
 
 
 class Engine:
@@ -72,8 +74,10 @@ class Engine:
                                pad_id=spec.eos_token_id)
         kv_cache = KVCache(spec.num_layers, num_pages, size, spec.num_kv_heads, spec.head_dim, dtype, device)
         self.runner = ModelRunner(self.model, self.slots, kv_cache, device)
+        self.cost_model = OnlineCostModel(config.max_batch)
         self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.slots, config.max_batch,
-                                   budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout)
+                                   budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,
+                                   fdfo_hold=self.cost_model.fdfo_hold if config.fdfo_fill_hold else (lambda rows: 0.0))
         self.outputs = OutputProcessor(tokenizer, spec.eos_token_id)
         self.totals = EngineTotals()
         self._requests: dict[str, Request] = {}
@@ -147,7 +151,9 @@ class Engine:
         return max(0.0, hold_until - time.monotonic()) if hold_until is not None else 0.0
 
     def _fill_timeout(self) -> float:
-        return self.config.fill_timeout_s or 0.0
+        if self.config.fill_timeout_s is not None:
+            return self.config.fill_timeout_s
+        return self.cost_model.fill_timeout()
 
     # ---- the step loop -------------------------------------------------------------
     def step(self) -> StepStats | None:
@@ -176,6 +182,7 @@ class Engine:
             block_steps=tuple(committed),
         )
         self.totals.record(stats)
+        self.cost_model.observe_step(stats.batch_size, stats.step_s, stats.block_steps)
         return stats
 
     def _denoise_and_commit(self, batch, logits: torch.Tensor) -> list[int]:
@@ -217,6 +224,7 @@ class Engine:
                 if output.finished:
                     request.phase = Phase.FINISHED
                     self.totals.requests_finished += 1
+                    self.cost_model.observe_finished(len(request.committed_block_steps))
                     self._requests.pop(request.request_id, None)
                 else:
                     request.phase = Phase.BLOCK_DONE
@@ -235,6 +243,7 @@ class Engine:
             inbox, self._inbox = self._inbox, []
         for kind, item in inbox:
             if kind == "add":
+                self.cost_model.observe_arrival(item.arrival_time)
                 self._requests[item.request_id] = item
                 self.scheduler.add(item)
             else:

@@ -45,11 +45,14 @@ _WAITING_FOR_ROUND = (Phase.BLOCK_DONE, Phase.FINISHED)
 class Scheduler:
     def __init__(self, mode: SchedulerMode, pool: PagePool, slots: SlotTable, max_batch: int,
                  max_tokens_per_step: int, block_length: int, mask_id: int,
-                 fill_timeout: Callable[[], float] = lambda: 0.0):
+                 fill_timeout: Callable[[], float] = lambda: 0.0,
+                 fdfo_hold: Callable[[int], float] = lambda rows: 0.0):
         self.mode = SchedulerMode(mode)
         self.batch_synchronous = self.mode in (SchedulerMode.STATIC, SchedulerMode.FIXED_FILL)
         self.fill_timeout = fill_timeout  # seconds; read when a fixed_fill batch could start
-        self.hold_until: float | None = None  # fixed_fill: when to look at the queue again
+        self.fdfo_hold = fdfo_hold  # seconds an under-filled fdfo step may wait, given its rows
+        self.hold_until: float | None = None  # when to look at the queue again (fill waits)
+        self._held_since: float | None = None  # fdfo: the hold of the coming step began then
         self.pool = pool
         self.slots = slots
         self.max_batch = max_batch
@@ -79,9 +82,23 @@ class Scheduler:
         self._end_round_if_due()
         if self._admission_open:
             self._admit()
-        if not self.running:
+        if not self.running or self._fdfo_holds():
             return None
+        self._held_since = None
         return self._build_batch()
+
+    def _fdfo_holds(self) -> bool:
+        """fdfo with free rows and an empty queue: wait (once per step, bounded) for arrivals."""
+        if self.mode is not SchedulerMode.FDFO or self.waiting or len(self.running) >= self.max_batch:
+            return False
+        now = time.monotonic()
+        if self._held_since is None:
+            self._held_since = now
+        deadline = self._held_since + self.fdfo_hold(len(self.running))
+        if now >= deadline:
+            return False
+        self.hold_until = deadline
+        return True
 
     def _end_round_if_due(self) -> None:
         """Release finished rows and advance done rows where the mode allows it."""

@@ -1,0 +1,212 @@
+"""`dllm-serve loadgen`: options, the run plan, and the report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+from loadgen import client
+from loadgen.arrivals import MAX_REQUESTS, load_trace, poisson_times, tiny_prompts, with_prompts
+from loadgen.records import Arrival, LoadgenError, Record
+from loadgen.report import format_summary, format_sweep
+from loadgen.runner import Progress, run_open_loop
+from loadgen.stats import summarize
+from replicas.evaluation import TINY_MAX_TOKENS
+
+DESCRIPTION = """\
+Open-loop load against an OpenAI-compatible endpoint: requests leave at Poisson arrival
+times (--rate, or each rate of --sweep) or at the timestamps of a trace (--trace), each at
+its planned time whether or not earlier ones have finished. Every request streams
+(SSE, stream_options.include_usage) and is recorded: planned and actual send time, status
+(ok / refused with 429 and Retry-After / error with its message), TTFB (time to the first
+chunk that carries text, i.e. the first committed block), end-to-end latency, output tokens.
+
+Output tokens come from the final usage chunk when the server sends one (dllm-serve does),
+else they are the non-whitespace characters of the streamed text: exact for the tiny
+model's character tokenizer, an approximation for other models ("tokens from" says which).
+
+The report: counts (sent = completed + refused + errors), p50/p90/p99 of TTFB and latency
+of completed requests, throughput (completed requests and output tokens per second of the
+measured duration, from the first send to the last completion) and goodput (completed
+requests within --slo-latency/--slo-ttfb per second of the same duration)."""
+
+EPILOG = """\
+examples:
+  dllm-serve loadgen --rate 5 --duration 30
+  dllm-serve loadgen --sweep 2,4,8 --requests 100 --slo-latency 10 --plot sweep.png
+  dllm-serve loadgen --trace trace.jsonl --json --records > run.json
+trace lines: {"timestamp": seconds from the start, "prompt": "...", "max_tokens": 112}
+(max_tokens may be left out: --max-tokens applies).
+exit status: 0; 1 when no request completed; 2 on bad input or an unreachable endpoint."""
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def _rates(text: str) -> list[float]:
+    return [_positive(float)(item) for item in text.split(",") if item.strip()]
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc.msg}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def add_loadgen_parser(commands) -> argparse.ArgumentParser:
+    """Add the `loadgen` subcommand and its options to ``commands`` (argparse subparsers)."""
+    parser = commands.add_parser(
+        "loadgen", help="open-loop Poisson or trace load against an OpenAI-compatible endpoint; SLO report",
+        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    load = parser.add_argument_group("arrivals (one of --rate, --sweep, --trace)")
+    kind = load.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--rate", type=_positive(float), metavar="R", help="Poisson arrivals at R requests per second")
+    kind.add_argument("--sweep", type=_rates, metavar="R1,R2,...",
+                      help="run each rate in turn (same bounds each) and print one row per rate")
+    kind.add_argument("--trace", metavar="FILE.jsonl", help="replay the arrivals of a JSONL trace (see below)")
+    load.add_argument("--duration", type=_positive(float), metavar="S",
+                      help="send for S seconds (a trace: only its first S seconds)")
+    load.add_argument("--requests", type=_positive(int), metavar="N",
+                      help="send N requests (per rate); --rate/--sweep need --duration or --requests")
+    load.add_argument("--max-requests", type=_positive(int), default=MAX_REQUESTS, metavar="N",
+                      help=f"hard cap on requests per run, whatever the other bounds (default {MAX_REQUESTS})")
+    load.add_argument("--timeout", type=_positive(float), default=120.0, metavar="S",
+                      help="give up on a request after S seconds; it counts as an error (default 120)")
+    load.add_argument("--seed", type=int, default=0, help="seed of the arrival times and prompts (default 0)")
+
+    body = parser.add_argument_group("requests")
+    body.add_argument("--url", default="http://127.0.0.1:8000",
+                      help="base URL of the OpenAI-compatible server (default http://127.0.0.1:8000)")
+    body.add_argument("--model", help="model name (default: the first that GET /v1/models lists)")
+    body.add_argument("--api-key", help="send 'Authorization: Bearer KEY'")
+    body.add_argument("--chat", action="store_true",
+                      help="use /v1/chat/completions (one user message) instead of /v1/completions")
+    body.add_argument("--prompt", metavar="TEXT",
+                      help="send this prompt every time (default: seeded prompts of the tiny model's task, "
+                           "drawn like its held-out set)")
+    body.add_argument("--max-tokens", type=_positive(int), default=TINY_MAX_TOKENS, metavar="N",
+                      help=f"max_tokens of each request (default {TINY_MAX_TOKENS}, room for the tiny task's "
+                           "longest answer); a trace line's max_tokens wins")
+    body.add_argument("--algorithm", help="dLLM extension: the denoise algorithm of every request "
+                                          "(e.g. low_confidence, fast_dllm_threshold)")
+    body.add_argument("--extra", type=_json_object, metavar="JSON", default={},
+                      help='more body fields for every request, e.g. \'{"algorithm_params": {"steps": 16}}\'')
+
+    out = parser.add_argument_group("report")
+    out.add_argument("--slo-latency", type=_positive(float), metavar="S",
+                     help="goodput counts completed requests with latency <= S seconds")
+    out.add_argument("--slo-ttfb", type=_positive(float), metavar="S",
+                     help="goodput counts completed requests with TTFB <= S seconds")
+    out.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    out.add_argument("--records", action="store_true", help="with --json: include every request's record")
+    out.add_argument("--plot", metavar="OUT.png",
+                     help="write a figure: latency CDF and latency over time (with --sweep: p50/p99 latency "
+                          "and goodput against offered rate)")
+    out.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    return parser
+
+
+def _plan(args) -> list[tuple[float | None, list[Arrival]]]:
+    """(offered rate, arrivals) for each run; validates the bounds and the trace."""
+    if args.trace:
+        if args.prompt:
+            raise LoadgenError("--prompt and --trace exclude each other: the trace carries the prompts")
+        arrivals = load_trace(args.trace, args.duration, args.requests, args.max_requests)
+        span = arrivals[-1].time_s
+        return [(len(arrivals) / span if span > 0 else None, arrivals)]
+    plan = []
+    for rate in args.sweep or [args.rate]:
+        times = poisson_times(rate, args.seed, args.duration, args.requests, args.max_requests)
+        if len(times) == args.max_requests and (args.requests is None or args.requests > args.max_requests):
+            print(f"note: capped at --max-requests {args.max_requests}", file=sys.stderr)
+        plan.append((rate, with_prompts(times, [args.prompt] if args.prompt else tiny_prompts(len(times), args.seed))))
+    return plan
+
+
+def _check_options(args) -> None:
+    if not args.url.startswith(("http://", "https://")):
+        raise LoadgenError(f"--url must start with http:// or https://, got {args.url!r}")
+    if args.records and not args.json:
+        raise LoadgenError("--records goes with --json")
+    if args.plot:
+        from loadgen.plot import pyplot
+
+        pyplot()
+        if not Path(args.plot).resolve().parent.is_dir():
+            raise LoadgenError(f"--plot: the folder of {args.plot} does not exist")
+
+
+async def _drive(endpoint: client.Endpoint, plan, quiet: bool) -> tuple[client.Endpoint, list[list[Record]]]:
+    async with client.make_client(endpoint) as http:
+        endpoint = replace(endpoint, model=endpoint.model or await client.first_model(http))
+        send = partial(client.send, http, endpoint)
+        results = []
+        for rate, arrivals in plan:
+            label = "" if len(plan) == 1 else f"rate {rate:g}/s "
+            results.append(await run_open_loop(arrivals, send, None if quiet else Progress(len(arrivals), label)))
+    return endpoint, results
+
+
+def _output(args, endpoint: client.Endpoint, plan, results: list[list[Record]]) -> list[dict]:
+    """Print the report (and write the plot); returns the summaries."""
+    summaries = [summarize(records, rate, args.slo_latency, args.slo_ttfb)
+                 for (rate, _), records in zip(plan, results)]
+    target = {"url": endpoint.url, "model": endpoint.model, "api": endpoint.path}
+    title = f"{endpoint.model} at {endpoint.url}{endpoint.path}"
+    if args.json:
+        if args.records:
+            for summary, records in zip(summaries, results):
+                summary["records"] = [r.to_dict() for r in records]
+        print(json.dumps({**target, "sweep": summaries} if args.sweep else {**target, **summaries[0]}))
+    else:
+        print(f"target           {title}")
+        print(format_sweep(summaries) if args.sweep else format_summary(summaries[0]))
+    if args.plot:
+        from loadgen.plot import plot_run, plot_sweep
+
+        if args.sweep:
+            plot_sweep(summaries, args.plot, title)
+        else:
+            plot_run(results[0], args.plot, title)
+    return summaries
+
+
+def run_loadgen(args) -> int:
+    """Run the load described by ``args``. Exit status: 0, 1 when no request completed,
+    2 (with a message) on bad input or an unreachable endpoint."""
+    try:
+        _check_options(args)
+        plan = _plan(args)
+        extra = {**args.extra, **({"algorithm": args.algorithm} if args.algorithm else {})}
+        endpoint = client.Endpoint(url=args.url.rstrip("/"), model=args.model, max_tokens=args.max_tokens,
+                                   chat=args.chat, api_key=args.api_key, extra=extra, timeout_s=args.timeout)
+        endpoint, results = asyncio.run(_drive(endpoint, plan, args.quiet))
+        summaries = _output(args, endpoint, plan, results)
+    except LoadgenError as exc:
+        print(f"dllm-serve loadgen: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ndllm-serve loadgen: interrupted", file=sys.stderr)
+        return 130
+    if not any(summary["completed"] for summary in summaries):
+        print("dllm-serve loadgen: no request completed (see the errors in the report)", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,87 @@
+"""The open-loop driver: every request leaves at its planned time, whatever is still running."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TextIO
+
+from loadgen.records import OK, REFUSED, Arrival, Record
+
+Send = Callable[[int, Arrival, float], Awaitable[Record]]
+
+
+class Progress:
+    """Counts of a running load, drawn as one stderr line rewritten with a carriage return."""
+
+    def __init__(self, total: int, label: str = "", stream: TextIO = sys.stderr, window_s: float = 2.0):
+        self.total, self.label, self.stream, self.window_s = total, label, stream, window_s
+        self.sent = self.completed = self.refused = self.errors = 0
+        self._recent: deque[float] = deque()
+        self._width = 0
+
+    def on_sent(self, now: float) -> None:
+        self.sent += 1
+        self._recent.append(now)
+
+    def on_done(self, record: Record) -> None:
+        if record.status == OK:
+            self.completed += 1
+        elif record.status == REFUSED:
+            self.refused += 1
+        else:
+            self.errors += 1
+
+    def line(self, elapsed_s: float) -> str:
+        """The progress text; the rate counts the sends of the last ``window_s`` seconds."""
+        while self._recent and self._recent[0] < elapsed_s - self.window_s:
+            self._recent.popleft()
+        rate = len(self._recent) / max(min(self.window_s, elapsed_s), 1e-9)
+        in_flight = self.sent - self.completed - self.refused - self.errors
+        return (f"{self.label}{elapsed_s:6.1f}s  sent {self.sent}/{self.total}  completed {self.completed}  "
+                f"refused {self.refused}  errors {self.errors}  in flight {in_flight}  rate {rate:.1f}/s")
+
+    def draw(self, elapsed_s: float, end: str = "") -> None:
+        text = self.line(elapsed_s)
+        self.stream.write(f"\r{text.ljust(self._width)}{end}")  # pad over a longer previous line
+        self._width = len(text)
+        self.stream.flush()
+
+    async def run(self, start: float, period_s: float = 0.5) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self.draw(loop.time() - start)
+            await asyncio.sleep(period_s)
+
+
+async def run_open_loop(arrivals: list[Arrival], send: Send, progress: Progress | None = None) -> list[Record]:
+    """Send each arrival at ``start + arrival.time_s`` on the loop clock (absolute, so no drift
+    accumulates) as its own task, then wait for all of them; records come back in arrival order."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def tracked(index: int, arrival: Arrival) -> Record:
+        if progress:
+            progress.on_sent(loop.time() - start)
+        record = await send(index, arrival, start)
+        if progress:
+            progress.on_done(record)
+        return record
+
+    ticker = asyncio.create_task(progress.run(start)) if progress else None
+    tasks: list[asyncio.Task] = []
+    try:
+        for index, arrival in enumerate(arrivals):
+            delay = start + arrival.time_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(tracked(index, arrival)))
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        if ticker:
+            ticker.cancel()
+            progress.draw(loop.time() - start, end="\n")

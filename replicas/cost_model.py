@@ -1,0 +1,86 @@
+"""Online estimates of what the fill-timeout rule needs: arrival rate, step cost, step counts.
+
+* arrival rate λ: arrivals in the last ``RATE_WINDOW_S`` seconds (so it decays to 0 when
+  arrivals stop, e.g. at the tail of a closed batch, and nothing waits for them);
+* step cost c0 + c1·b: least squares over recent (rows, step seconds) pairs;
+* steps per block and blocks per request: counts since start.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+
+from replicas.fill_timeout import fdfo_hold, optimal_fill_timeout
+
+
+RATE_WINDOW_S = 2.0
+
+
+class OnlineCostModel:
+    def __init__(self, max_batch: int, window: int = 512):
+        self.max_batch = max_batch
+        self._lock = threading.Lock()
+        self._arrivals: deque[float] = deque(maxlen=window)
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self.steps_per_block: Counter = Counter()
+        self.blocks_per_request: Counter = Counter()
+
+    def observe_arrival(self, at: float) -> None:
+        with self._lock:
+            self._arrivals.append(at)
+
+    def observe_step(self, rows: int, seconds: float, block_steps: tuple[int, ...]) -> None:
+        with self._lock:
+            self._steps.append((rows, seconds))
+            self.steps_per_block.update(block_steps)
+
+    def observe_finished(self, blocks: int) -> None:
+        with self._lock:
+            self.blocks_per_request[blocks] += 1
+
+    def arrival_rate(self) -> float:
+        """Arrivals per second over the last ``RATE_WINDOW_S`` seconds."""
+        since = time.monotonic() - RATE_WINDOW_S
+        return sum(1 for t in self._arrivals if t >= since) / RATE_WINDOW_S
+
+    def step_cost(self) -> tuple[float, float]:
+        """(c0, c1) of step seconds = c0 + c1 x rows, both clipped at 0."""
+        if not self._steps:
+            return 0.0, 0.0
+        n = len(self._steps)
+        mean_b = sum(b for b, _ in self._steps) / n
+        mean_t = sum(t for _, t in self._steps) / n
+        var_b = sum((b - mean_b) ** 2 for b, _ in self._steps)
+        c1 = sum((b - mean_b) * (t - mean_t) for b, t in self._steps) / var_b if var_b else 0.0
+        c1 = max(0.0, c1)
+        return max(0.0, mean_t - c1 * mean_b), c1
+
+    def fill_timeout(self) -> float:
+        """The analytic fixed-fill timeout for the current estimates (0 while nothing is known)."""
+        with self._lock:
+            rate = self.arrival_rate()
+            c0, c1 = _rounded(self.step_cost())
+            steps = _probabilities(self.steps_per_block)
+            blocks = _probabilities(self.blocks_per_request)
+        if rate <= 0 or not steps or not blocks:
+            return 0.0
+        return optimal_fill_timeout(rate, self.max_batch, c0, c1, steps, blocks)
+
+    def fdfo_hold(self, rows: int) -> float:
+        """How long an under-filled FDFO step may wait for an arrival."""
+        with self._lock:
+            rate = self.arrival_rate()
+            c0, c1 = self.step_cost()
+        return fdfo_hold(rate, rows, self.max_batch, c0, c1)
+
+
+def _rounded(cost: tuple[float, float]) -> tuple[float, float]:
+    """Three significant digits, so that the analytic model's cache is hit."""
+    return tuple(float(f"{c:.3g}") for c in cost)
+
+
+def _probabilities(counts: Counter) -> dict[int, float]:
+    total = sum(counts.values())
+    return {k: v / total for k, v in counts.items()} if total else {}

@@ -1,0 +1,34 @@
+"""A real `dllm-serve up` for the loadgen integration test, started with the cluster tests' helpers.
+
+tests/cluster/conftest.py is loaded from its path under a unique module name: both
+folders' conftest modules would otherwise be the same module, `conftest`.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "cluster_test_helpers", Path(__file__).resolve().parents[1] / "cluster" / "conftest.py")
+cluster_helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cluster_helpers)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-replica", "2-replicas"])
+def tiny_cluster(request, tmp_path):
+    """The tiny model on ``request.param`` fixed replicas, one torch thread each; stopped after the test."""
+    settings = {
+        "replica": {"max_batch": 16, "torch_threads": 1},
+        "autoscaling": {"min_replicas": request.param, "max_replicas": request.param},
+        "stats_period_s": 0.25,
+    }
+    running = cluster_helpers.start_cluster(tmp_path, settings)
+    yield running
+    cluster_helpers.stop_cluster(running.process)
+
+
+@pytest.fixture
+def closed_url():
+    """A 127.0.0.1 URL on a port nothing listens on."""
+    return f"http://127.0.0.1:{cluster_helpers.free_port()}"
