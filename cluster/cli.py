@@ -122,6 +122,114 @@ def cmd_loadgen(args) -> int:
     return run_loadgen(args)
 
 
+_SIM_COLUMNS = {
+    "sweep": ["policy", "rate", "completed", "refused", "latency_mean_s", "latency_p50_s", "latency_p90_s",
+              "latency_p99_s", "ttfb_p50_s", "throughput_rps", "goodput_rps", "slo_attainment", "fill_timeout_s"],
+    "max_rate": ["policy", "replicas", "max_rate"],
+    "replicas": ["policy", "rate", "replicas"],
+    "tau": ["rate", "analytic_tau_s", "best_tau_s", "analytic_latency_s", "best_latency_s", "gap_percent"],
+}
+
+
+def cmd_simulate(args) -> int:
+    from loadgen import simulator as sim
+    from loadgen.calibration import DEFAULT_CALIBRATION, load_calibration, validate_calibration
+
+    rates = args.sweep or ([args.rate] if args.rate is not None else [])
+    if any(not r > 0 for r in rates):
+        raise ValueError("arrival rates must be > 0 requests per second")
+    if (args.find_max_rate or args.find_replicas or args.max_step_debt == "slo") and args.slo_latency is None:
+        raise ValueError("--find-max-rate, --find-replicas and --max-step-debt slo need --slo-latency")
+    if args.plot and (args.find_max_rate or args.find_replicas or args.tau_table):
+        raise ValueError("--plot draws a rate sweep: use it with --rate/--sweep only")
+    if args.calibration:
+        cal = load_calibration(args.calibration)
+    else:
+        cal = validate_calibration(DEFAULT_CALIBRATION)
+        print("note: built-in calibration (the tiny model on a 2-core CPU, illustrative); "
+              "pass --calibration FILE to plan for your engine", file=sys.stderr)
+    debt = args.max_step_debt
+    if debt == "slo":
+        debt = cal["max_batch"] / (cal["c0"] + cal["c1"] * cal["max_batch"]) * args.slo_latency
+    elif debt is not None:
+        try:
+            debt = float(debt)
+        except ValueError:
+            raise ValueError(f"--max-step-debt expects a number of row-steps or 'slo', got {debt!r}") from None
+    options = {"fill_timeout": args.fill_timeout, "fdfo_fill_hold": args.fdfo_hold, "max_step_debt": debt}
+    common = {"requests": args.requests, "seed": args.seed}
+    slo = {"slo_latency": args.slo_latency, "attainment": args.slo_attainment}
+    if args.tau_table:
+        kind = "tau"
+        rows = sim.tau_table(cal, rates or [f * sim.fixed_fill_capacity(cal) for f in (0.1, 0.3, 0.5, 0.7, 0.9)],
+                             **common)
+    elif args.find_max_rate:
+        kind = "max_rate"
+        rows = [{"policy": p, "replicas": args.replicas,
+                 "max_rate": sim.find_max_rate(cal, p, **slo, **common, replicas=args.replicas, **options)}
+                for p in args.policy]
+    elif args.find_replicas:
+        if len(rates) != 1:
+            raise ValueError("--find-replicas needs one --rate")
+        kind = "replicas"
+        rows = [{"policy": p, "rate": rates[0], "replicas": sim.find_replicas(cal, p, rates[0], **slo, **common, **options)}
+                for p in args.policy]
+    else:
+        if not rates:
+            raise ValueError("give --rate R or --sweep R1 R2 ... (requests per second), or a --find-* question")
+        kind = "sweep"
+        rows = sim.sweep(cal, args.policy, rates, slo_latency=args.slo_latency, replicas=args.replicas,
+                         **common, **options)
+        if args.plot:
+            sim.plot_sweep(rows, args.plot, args.slo_latency)
+    if args.json:
+        print(json.dumps({"calibration": cal, kind: rows}))
+    else:
+        print(f"calibration: {cal['source'] or args.calibration}; per replica: fixed_fill capacity "
+              f"{sim.fixed_fill_capacity(cal):.4g} req/s, throughput bound {sim.throughput_bound(cal):.4g} req/s")
+        print(sim.format_rows(rows, _SIM_COLUMNS[kind]))
+    return 0
+
+
+def _simulate_parser(commands) -> None:
+    from loadgen.simulator import POLICIES
+
+    sim = commands.add_parser(
+        "simulate", help="discrete-event simulation of the cluster for capacity planning",
+        description="Simulate N replicas behind step-aware admission and drain-time routing under Poisson "
+                    "arrivals, with step costs and step counts from a calibration. Prints latency/TTFB "
+                    "percentiles, throughput and goodput per policy and rate (--rate/--sweep), the largest "
+                    "rate within an SLO (--find-max-rate), the replicas a rate needs (--find-replicas), or "
+                    "the analytic fixed_fill timeout against a simulated sweep (--tau-table).")
+    sim.add_argument("--calibration", metavar="FILE",
+                     help="calibration JSON (c0, c1, max_batch, steps_per_block, blocks_per_request), e.g. "
+                          "written by `dllm-serve bench`; default: a built-in one measured on the tiny model")
+    sim.add_argument("--policy", nargs="+", choices=POLICIES, default=list(POLICIES),
+                     help="scheduler policies to simulate (default: all)")
+    sim.add_argument("--replicas", type=int, default=1, help="replicas in the cluster (default 1)")
+    sim.add_argument("--rate", type=float, help="arrival rate, requests per second (whole cluster)")
+    sim.add_argument("--sweep", type=float, nargs="+", metavar="RATE", help="several arrival rates, one run each")
+    sim.add_argument("--requests", type=int, default=5000, help="requests per run (default 5000)")
+    sim.add_argument("--seed", type=int, default=0, help="random seed of arrivals and step counts (default 0)")
+    sim.add_argument("--slo-latency", type=float, metavar="S", help="latency SLO in seconds (goodput, searches)")
+    sim.add_argument("--slo-attainment", type=float, default=0.99, metavar="F",
+                     help="fraction of requests that must meet the SLO, refused ones counted as misses (default 0.99)")
+    sim.add_argument("--find-max-rate", action="store_true", help="per policy: the largest rate that meets the SLO")
+    sim.add_argument("--find-replicas", action="store_true", help="per policy: the fewest replicas for --rate within the SLO")
+    sim.add_argument("--tau-table", action="store_true",
+                     help="analytic fixed_fill timeout vs the best simulated one at --sweep rates "
+                          "(default: 10..90%% of one replica's fixed_fill capacity)")
+    sim.add_argument("--fill-timeout", type=float, metavar="S",
+                     help="fixed_fill timeout in seconds (default: the analytic optimum at each replica's rate)")
+    sim.add_argument("--fdfo-hold", action="store_true", help="fdfo holds under-filled steps by the fill-hold rule")
+    sim.add_argument("--max-step-debt", metavar="ROW_STEPS|slo",
+                     help="admission: row-steps the cluster may owe per replica, or 'slo' for full-batch drain "
+                          "rate x --slo-latency (default: admit everything)")
+    sim.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    sim.add_argument("--plot", metavar="PNG", help="write mean and p99 latency vs rate per policy (with --sweep)")
+    sim.set_defaults(func=cmd_simulate)
+
+
 _UP_SHORTCUTS = {  # flag dest -> config key
     "model": "model", "port": "port", "metrics_port": "metrics_port", "host": "host",
     "max_batch": "replica.max_batch", "mode": "replica.mode", "algorithm": "algorithm.name",
@@ -281,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     from loadgen.cli import add_loadgen_parser
 
     add_loadgen_parser(commands).set_defaults(func=cmd_loadgen)
+    _simulate_parser(commands)
     return parser
 
 

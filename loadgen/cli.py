@@ -156,7 +156,8 @@ def _check_options(args) -> None:
 
 async def _drive(endpoint: client.Endpoint, plan, quiet: bool) -> tuple[client.Endpoint, list[list[Record]]]:
     async with client.make_client(endpoint) as http:
-        endpoint = replace(endpoint, model=endpoint.model or await client.first_model(http))
+        listed = await client.first_model(http)  # also checks the URL (and key) before any load
+        endpoint = replace(endpoint, model=endpoint.model or listed)
         send = partial(client.send, http, endpoint)
         results = []
         for rate, arrivals in plan:

@@ -230,6 +230,8 @@ class SimResult:
 
 def admission_cost(calibration: Mapping, quantile: float = 1.0) -> float:
     """Row-steps charged per request: most blocks x the quantile of steps per block."""
+    if not 0 < quantile <= 1:
+        raise ValueError(f"the cost quantile must be in (0, 1], got {quantile}")
     cal = validate_calibration(calibration)
     levels = np.fromiter(cal["steps_per_block"], dtype=float)
     cdf = np.cumsum(np.fromiter(cal["steps_per_block"].values(), dtype=float))
@@ -253,6 +255,8 @@ def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: in
         raise ValueError(f"need at least one replica, got {replicas}")
     if fill_timeout is not None and not fill_timeout >= 0:
         raise ValueError(f"the fill timeout must be >= 0 seconds, got {fill_timeout}")
+    if max_step_debt is not None and not max_step_debt > 0:
+        raise ValueError(f"the step-debt bound must be > 0 row-steps, got {max_step_debt}")
     rate = workload.rate / replicas
     args = (cal["max_batch"], cal["c0"], cal["c1"], cal["steps_per_block"], cal["blocks_per_request"])
     tau = None
@@ -267,17 +271,17 @@ def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: in
     events: list[tuple[float, int]] = []
     turn = 0
 
-    def act_until(t: float, next_arrival: float) -> None:
-        while events and events[0][0] <= t:
+    def act_before(t: float) -> None:
+        """Every replica decision due before ``t`` (arrivals at t join decisions at t)."""
+        while events and events[0][0] < t:
             when, i = heapq.heappop(events)
             if when == wake[i]:
-                wake[i] = fleet[i].decide(when, next_arrival)
+                wake[i] = fleet[i].decide(when, t)
                 if wake[i] < math.inf:
                     heapq.heappush(events, (wake[i], i))
 
-    arrivals = ledger.arrival
-    for req, t in enumerate(arrivals):
-        act_until(t, t)
+    for req, t in enumerate(ledger.arrival):
+        act_before(t)
         if ledger.outstanding > 1e-9 and ledger.outstanding + ledger.cost > limit:
             continue
         least = min(r.debt for r in fleet)
@@ -289,9 +293,171 @@ def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: in
         if fleet[target].free_at <= t and wake[target] != t:
             wake[target] = t
             heapq.heappush(events, (t, target))
-        nxt = arrivals[req + 1] if req + 1 < len(arrivals) else math.inf
-        act_until(t, nxt)
-    act_until(math.inf, math.inf)
+    act_before(math.inf)
     replica = np.asarray(ledger.replica)
     return SimResult(workload.arrival, np.asarray(ledger.finish) - workload.arrival, np.asarray(ledger.ttfb),
                      replica < 0, replica, tau)
+
+
+# ---- summaries -------------------------------------------------------------------------------
+def slo_attainment(result: SimResult, slo_latency: float) -> float:
+    """Fraction of offered requests (refused ones included) done within ``slo_latency``."""
+    if not slo_latency > 0:
+        raise ValueError(f"the latency SLO must be > 0 seconds, got {slo_latency}")
+    return float(np.mean(np.nan_to_num(result.latency, nan=math.inf) <= slo_latency))
+
+
+def summarize(result: SimResult, slo_latency: float | None = None) -> dict:
+    """Counts, latency and TTFB percentiles (seconds), throughput and goodput (requests/s)."""
+    done = ~np.isnan(result.latency)
+    span = float(np.max(result.arrival[done] + result.latency[done]) - result.arrival[0]) if done.any() else 0.0
+    summary = {"offered": len(result.arrival), "completed": int(done.sum()), "refused": int(result.refused.sum()),
+               "fill_timeout_s": result.fill_timeout}
+    for name, values in (("latency", result.latency[done]), ("ttfb", result.ttfb[done])):
+        for q in (50, 90, 99):
+            summary[f"{name}_p{q}_s"] = float(np.percentile(values, q)) if done.any() else None
+        summary[f"{name}_mean_s"] = float(values.mean()) if done.any() else None
+    summary["throughput_rps"] = summary["completed"] / span if span > 0 else 0.0
+    if slo_latency is not None:
+        summary["slo_attainment"] = slo_attainment(result, slo_latency)
+        summary["goodput_rps"] = float((result.latency[done] <= slo_latency).sum()) / span if span > 0 else 0.0
+    return summary
+
+
+# ---- questions: sweeps and searches -------------------------------------------------------
+def throughput_bound(calibration: Mapping) -> float:
+    """Requests per second no policy can beat on one replica: full batches every step."""
+    cal = validate_calibration(calibration)
+    row_steps = sum(k * p for k, p in cal["blocks_per_request"].items()) * sum(
+        s * p for s, p in cal["steps_per_block"].items())
+    return cal["max_batch"] / ((cal["c0"] + cal["c1"] * cal["max_batch"]) * row_steps)
+
+
+def fixed_fill_capacity(calibration: Mapping) -> float:
+    """Requests per second of one replica running full batch-synchronous batches."""
+    cal = validate_calibration(calibration)
+    return batch_capacity(cal["max_batch"], cal["c0"], cal["c1"], cal["steps_per_block"], cal["blocks_per_request"])
+
+
+def run(calibration: Mapping, policy: str, rate: float, requests: int = 4000, seed: int = 0,
+        **options) -> SimResult:
+    """Simulate ``requests`` Poisson arrivals at ``rate`` (options as for ``simulate``)."""
+    return simulate(calibration, poisson_workload(calibration, rate, requests, seed), policy, **options)
+
+
+def sweep(calibration: Mapping, policies, rates, requests: int = 4000, seed: int = 0,
+          slo_latency: float | None = None, **options) -> list[dict]:
+    """One summary per (policy, rate), the same requests at every rate."""
+    return [{"policy": policy, "rate": float(rate),
+             **summarize(run(calibration, policy, rate, requests, seed, **options), slo_latency)}
+            for policy in policies for rate in rates]
+
+
+def _check_attainment(attainment: float) -> None:
+    if not 0 < attainment <= 1:
+        raise ValueError(f"the SLO attainment must be in (0, 1], got {attainment}")
+
+
+def find_max_rate(calibration: Mapping, policy: str, slo_latency: float, attainment: float = 0.99,
+                  requests: int = 4000, seed: int = 0, tolerance: float = 0.01, **options) -> float:
+    """Largest arrival rate (requests/s, to ``tolerance`` relative) at which at least
+    ``attainment`` of the offered requests finish within ``slo_latency``; 0 if none does.
+    Bisection below the fleet's throughput bound; a looser SLO never gives a lower rate."""
+    _check_attainment(attainment)
+
+    def meets(rate: float) -> bool:
+        return slo_attainment(run(calibration, policy, rate, requests, seed, **options), slo_latency) >= attainment
+
+    low, high = 0.0, throughput_bound(calibration) * options.get("replicas", 1)
+    if meets(high):
+        return high
+    while high - low > tolerance * high:
+        middle = (low + high) / 2
+        low, high = (middle, high) if meets(middle) else (low, middle)
+    return low
+
+
+def find_replicas(calibration: Mapping, policy: str, rate: float, slo_latency: float,
+                  attainment: float = 0.99, requests: int = 4000, seed: int = 0,
+                  max_replicas: int = 1024, **options) -> int | None:
+    """Fewest replicas that keep ``attainment`` of requests within ``slo_latency`` at
+    ``rate``; None if ``max_replicas`` do not."""
+    _check_attainment(attainment)
+    workload = poisson_workload(calibration, rate, requests, seed)
+
+    def meets(replicas: int) -> bool:
+        result = simulate(calibration, workload, policy, replicas=replicas, **options)
+        return slo_attainment(result, slo_latency) >= attainment
+
+    low, high = 0, max(1, math.ceil(rate / throughput_bound(calibration)))  # low fails (or is 0)
+    while not meets(high):
+        if high >= max_replicas:
+            return None
+        low, high = high, min(2 * high, max_replicas)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if meets(middle) else (middle, high)
+    return high
+
+
+def tau_table(calibration: Mapping, rates, requests: int = 20000, seed: int = 0,
+              grid: int = 10) -> list[dict]:
+    """Analytic fill timeout against the best of a simulated sweep, one row per rate:
+    rate, analytic τ, best simulated τ, mean latency at each, and the gap in percent.
+    The sweep tries τ = 0 and ``grid`` geometric steps from a tenth of a single
+    request's service to twice the expected fill time (B−1)/λ."""
+    cal = validate_calibration(calibration)
+    single = 1.0 / batch_capacity(1, cal["c0"], cal["c1"], cal["steps_per_block"], cal["blocks_per_request"])
+    rows = []
+    for rate in rates:
+        workload = poisson_workload(cal, rate, requests, seed)
+
+        def mean_latency(tau: float | None) -> tuple[float, float]:
+            result = simulate(cal, workload, "fixed_fill", fill_timeout=tau)
+            return result.fill_timeout, float(np.nanmean(result.latency))
+
+        analytic, at_analytic = mean_latency(None)
+        top = max(2 * (cal["max_batch"] - 1) / rate, 2 * single)
+        swept = [mean_latency(tau) for tau in [0.0, *np.geomspace(single / 10, top, grid)]]
+        best, at_best = min(swept, key=lambda item: item[1])
+        rows.append({"rate": float(rate), "analytic_tau_s": analytic, "best_tau_s": best,
+                     "analytic_latency_s": at_analytic, "best_latency_s": at_best,
+                     "gap_percent": 100 * (at_analytic / at_best - 1)})
+    return rows
+
+
+def plot_sweep(rows: list[dict], path: str, slo_latency: float | None = None) -> None:
+    """Mean and p99 latency against arrival rate, one colour per policy (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(row["policy"] for row in rows):
+        mine = [row for row in rows if row["policy"] == policy]
+        line, = ax.plot([r["rate"] for r in mine], [r["latency_mean_s"] for r in mine], marker="o", label=f"{policy} mean")
+        ax.plot([r["rate"] for r in mine], [r["latency_p99_s"] for r in mine], ls="--", color=line.get_color(),
+                label=f"{policy} p99")
+    if slo_latency is not None:
+        ax.axhline(slo_latency, color="black", lw=0.8, label="SLO")
+    ax.set(xlabel="arrival rate (requests/s)", ylabel="latency (s)", yscale="log", title="simulated latency vs load")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def format_rows(rows: list[dict], columns: list[str]) -> str:
+    """A plain text table of ``columns`` of ``rows`` (numbers to 4 significant digits)."""
+    def cell(value) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    table = [columns] + [[cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    return "\n".join("  ".join(text.rjust(w) for text, w in zip(line, widths)) for line in table)

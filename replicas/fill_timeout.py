@@ -22,6 +22,7 @@ MAX_LOAD = 0.95  # the model is evaluated at min(λ, MAX_LOAD x capacity)
 TIE = 0.005  # the least τ whose modelled mean latency is within 0.5% of the minimum wins
 _GRID = np.concatenate([[0.0], np.geomspace(1 / 256, 2.0, 28)])  # τ / expected fill time
 _MAX_STATES = 2000  # queue lengths the chain tracks at most
+_LAMBDA_STEP = 1.02  # λ is rounded to this geometric grid, so repeated calls hit the cache
 
 
 def _frozen(dist: Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
@@ -97,7 +98,6 @@ class _Chain:
         arrivals_var = lam * self.T + lam ** 2 * step ** 2 * var
         spare = B - lam * self.T[B]
         n = min(_MAX_STATES, 2 * B + 20 + math.ceil(6 * arrivals_var[B] / spare))
-        self.n = n
         self.A = _counts(lam * self.T, lam ** 2 * step ** 2 * var, n)  # [b, Q'] arrivals in service
         self.per_batch = np.stack([lam * T2 / 2, self.T, b.astype(float), b * step * member], axis=1)
         # Q >= B: a full batch at once, the rest (Q - B) carried over
@@ -107,36 +107,26 @@ class _Chain:
         full[:, n] = 1.0 - full[:, :n].sum(axis=1)
         full_rewards = np.outer(np.ones_like(left), self.per_batch[B])
         full_rewards[:, 0] += left * self.T[B]
-        visits = np.linalg.inv(np.eye(n + 1 - B) - full[:, B:])  # expected visits to Q >= B
-        self.visits = visits
-        self.to_low = visits @ full[:, :B]  # where an excursion above B comes back
-        self.excursion = visits @ full_rewards  # rewards collected on the way
-        self.from_carry = full[:, :B] * (left[:, None] > 0)  # re-entries that keep old requests
+        # an excursion above B: where it comes back below B, and what it collects on the way
+        back = np.linalg.solve(np.eye(n + 1 - B) - full[:, B:], np.hstack([full[:, :B], full_rewards]))
+        self.to_low, self.excursion = back[:, :B], back[:, B:]
 
     def latency(self, taus: np.ndarray) -> np.ndarray:
-        """Modelled mean latency for each τ: two passes, the second with the ages of the
-        oldest waiting request taken from the first pass's batch sizes."""
-        B, lam = self.B, self.lam
+        """Modelled mean latency for each τ (renewal reward over the censored chain Q < B)."""
+        B = self.B
         q = np.arange(B)
-        age = np.clip(q / lam, self.T[1], self.T[B]) * q / (q + 1)  # first pass: a rough guess
-        carry = np.zeros(B)
-        for _ in range(2):
-            remaining = np.maximum(0.0, taus[:, None] - age) * (1 - carry)
-            remaining[:, 0] = taus
-            batch, rewards = self._formation(remaining)
-            low = batch @ self.A  # [tau, Q, Q']
-            censored = low[:, :, :B] + low[:, :, B:] @ self.to_low
-            totals = rewards + low[:, :, B:] @ self.excursion
-            sigma = _stationary(censored)
-            high = (sigma[:, None, :] @ low[:, :, B:])[:, 0] @ self.visits  # visits to Q >= B
-            sizes = (sigma[:, None, :] @ batch)[:, 0]
-            sizes[:, B] += high.sum(axis=1)
-            seen = sizes[:, :, None] * self.A[None, :, :B]  # P(previous batch b, Q waiting)
-            prev = (seen * self.T[None, :, None]).sum(axis=1) / np.maximum(seen.sum(axis=1), 1e-300)
-            age = prev * q / (q + 1)
-            carry = np.clip(high @ self.from_carry / np.maximum(sigma, 1e-300), 0.0, 1.0)
+        # the Q waiting arrived during the last batch, most likely Q/λ long (clipped to what
+        # a batch can last); Q uniform arrivals in it make the oldest this old on average
+        age = np.clip(q / self.lam, self.T[1], self.T[B]) * q / (q + 1)
+        remaining = np.maximum(0.0, taus[:, None] - age)
+        remaining[:, 0] = taus
+        batch, rewards = self._formation(remaining)
+        low = batch @ self.A  # [tau, Q, Q']
+        censored = low[:, :, :B] + low[:, :, B:] @ self.to_low
+        totals = rewards + low[:, :, B:] @ self.excursion
+        sigma = _stationary(censored)
         wait, cycle, size, inside = (sigma[:, None, :] @ totals)[:, 0].T
-        return wait / (lam * cycle) + inside / size
+        return wait / (self.lam * cycle) + inside / size
 
     def _formation(self, remaining: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Batch-size pmf [tau, Q, b] and cycle rewards [tau, Q, 4] from Q < B waiting with
@@ -195,8 +185,8 @@ def optimal_fill_timeout(arrival_rate: float, max_batch: int, c0: float, c1: flo
                          blocks_per_request: Mapping[int, float]) -> float:
     """Fill timeout τ (seconds) of fixed-fill batching that minimizes the modelled mean
     latency: the least τ on a grid of 0 and 28 steps up to twice the expected fill time
-    (B−1)/λ within 0.5% of the best. λ is rounded to 3 significant digits (so repeated
-    calls hit the cache) and capped at 95% of the full-batch capacity. 0 when there is
+    (B−1)/λ within 0.5% of the best. λ is capped at 95% of the full-batch capacity and
+    rounded to a 2% geometric grid (so repeated calls hit the cache). 0 when there is
     nothing to wait for: λ <= 0 or not finite, max_batch <= 1, empty distributions."""
     steps, blocks = _frozen(steps_per_block), _frozen(blocks_per_request)
     if not (arrival_rate > 0 and math.isfinite(arrival_rate)) or max_batch <= 1 or not steps or not blocks:
@@ -204,7 +194,7 @@ def optimal_fill_timeout(arrival_rate: float, max_batch: int, c0: float, c1: flo
     capacity = batch_capacity(max_batch, c0, c1, steps_per_block, blocks_per_request)
     if not math.isfinite(capacity):
         return 0.0
-    lam = float(f"{min(arrival_rate, MAX_LOAD * capacity):.3g}")
+    lam = _LAMBDA_STEP ** round(math.log(min(arrival_rate, MAX_LOAD * capacity), _LAMBDA_STEP))
     return _best_tau(lam, int(max_batch), float(c0), float(c1), steps, blocks)
 
 

@@ -17,8 +17,9 @@ def test_loadgen_report_is_consistent(tiny_cluster, tmp_path):
         [sys.executable, "-m", "cluster.cli", "loadgen", "--url", tiny_cluster.base_url, "--rate", str(RATE),
          "--duration", str(DURATION_S), "--seed", str(SEED), "--timeout", "60", "--slo-latency", "5",
          "--json", "--records", "--plot", str(plot)],
-        capture_output=True, text=True, timeout=150)
-    assert run.returncode == 0, run.stderr[-3000:]
+        capture_output=True, timeout=150)  # bytes: text mode would turn the progress line's \r into \n
+    stderr = run.stderr.decode()
+    assert run.returncode == 0, stderr[-3000:]
     report = json.loads(run.stdout)
     records = report.pop("records")
 
@@ -42,5 +43,5 @@ def test_loadgen_report_is_consistent(tiny_cluster, tmp_path):
     # open loop: every request left close to its planned time
     assert max(r["sent_s"] - r["planned_s"] for r in records) < 0.5
 
-    assert "\r" in run.stderr and f"sent {report['sent']}/{report['sent']}" in run.stderr
+    assert "\r" in stderr and f"sent {report['sent']}/{report['sent']}" in stderr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,132 @@
+"""One streamed request against a mock OpenAI endpoint (httpx.MockTransport): SSE parsing and outcomes."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from loadgen.client import Endpoint, chunk_text, first_model, send, sse_data
+from loadgen.records import ERROR, OK, REFUSED, Arrival, LoadgenError
+
+ARRIVAL = Arrival(0.0, "1.3. ..2. 4... .1.4", max_tokens=32)
+
+
+def sse(*bodies) -> bytes:
+    return b"".join(b"data: " + (b if isinstance(b, bytes) else json.dumps(b).encode()) + b"\n\n" for b in bodies)
+
+
+def chunk(text, usage=None, steps=3):
+    body = {"choices": [{"index": 0, "text": text, "finish_reason": None}], "dllm": {"steps": steps, "replica": "r1"}}
+    if usage is not None:
+        body = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": usage}}
+    return body
+
+
+def run_send(handler, endpoint=None, timeout_s=5.0):
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://test") as client:
+            ep = endpoint or Endpoint(url="http://test", model="tiny", timeout_s=timeout_s)
+            return await send(client, ep, 3, ARRIVAL, asyncio.get_running_loop().time())
+    return asyncio.run(main())
+
+
+def test_sse_data_joins_lines_and_skips_comments():
+    async def lines():
+        for line in [": keep-alive", "data: {\"a\": 1}", "", "event: x", "data:two", "data: lines", "", "data: [DONE]"]:
+            yield line
+
+    async def collect():
+        return [d async for d in sse_data(lines())]
+
+    assert asyncio.run(collect()) == ['{"a": 1}', "two\nlines", "[DONE]"]
+
+
+def test_chunk_text_of_completions_and_chat():
+    assert chunk_text({"choices": [{"text": "12"}]}) == "12"
+    assert chunk_text({"choices": [{"delta": {"role": "assistant", "content": "34"}}]}) == "34"
+    assert chunk_text({"choices": [], "usage": {}}) == ""
+
+
+def test_ok_stream_with_usage():
+    seen = {}
+
+    def handler(request):
+        seen.update(json.loads(request.content))
+        return httpx.Response(200, content=sse(chunk(""), chunk("1234 1234"), chunk("4321", steps=9),
+                                                chunk("", usage=12), b"[DONE]"))
+
+    record = run_send(handler)
+    assert seen["stream"] is True and seen["stream_options"] == {"include_usage": True}
+    assert seen["prompt"] == ARRIVAL.prompt and seen["max_tokens"] == 32 and seen["model"] == "tiny"
+    assert (record.status, record.http_status, record.error) == (OK, 200, None)
+    assert (record.output_tokens, record.tokens_from, record.steps, record.replica) == (12, "usage", 9, "r1")
+    assert 0 < record.ttfb_s <= record.latency_s and record.index == 3
+
+
+def test_without_usage_tokens_are_characters():
+    record = run_send(lambda r: httpx.Response(200, content=sse(chunk("12 34"), chunk("5"), b"[DONE]")))
+    assert (record.status, record.output_tokens, record.tokens_from) == (OK, 5, "characters")
+
+
+def test_chat_body_and_extra_fields():
+    seen = {}
+
+    def handler(request):
+        seen["path"], seen["body"] = request.url.path, json.loads(request.content)
+        return httpx.Response(200, content=sse({"choices": [{"delta": {"content": "12"}}]}, b"[DONE]"))
+
+    endpoint = Endpoint(url="http://test", model="tiny", chat=True, max_tokens=64, extra={"algorithm": "fixed_steps"})
+    record = run_send(handler, endpoint)
+    assert seen["path"] == "/v1/chat/completions" and seen["body"]["algorithm"] == "fixed_steps"
+    assert seen["body"]["messages"] == [{"role": "user", "content": ARRIVAL.prompt}] and "prompt" not in seen["body"]
+    assert record.status == OK and record.ttfb_s is not None
+
+
+def test_429_is_refused_with_retry_after():
+    record = run_send(lambda r: httpx.Response(
+        429, headers={"Retry-After": "3"}, json={"error": {"message": "at step capacity", "type": "rate_limit_error"}}))
+    assert (record.status, record.http_status, record.retry_after_s) == (REFUSED, 429, 3.0)
+    assert record.error == "HTTP 429: at step capacity" and record.latency_s is not None
+
+
+@pytest.mark.parametrize("handler, message", [
+    (lambda r: httpx.Response(400, json={"error": {"message": "max_tokens too large"}}),
+     "HTTP 400: max_tokens too large"),
+    (lambda r: httpx.Response(502, text="bad gateway"), "HTTP 502: bad gateway"),
+    (lambda r: httpx.Response(200, content=sse(chunk("12"), {"error": {"message": "replica died"}}, b"[DONE]")),
+     "replica died"),
+    (lambda r: httpx.Response(200, content=sse(chunk("12"))), "the stream ended before data: [DONE]"),
+    (lambda r: httpx.Response(200, content=sse(b"{oops")), "malformed event"),
+])
+def test_failures_are_errors_with_their_message(handler, message):
+    record = run_send(handler)
+    assert record.status == ERROR and message in record.error and record.latency_s is not None
+
+
+def test_connection_error_and_timeout():
+    def refuse(request):
+        raise httpx.ConnectError("connection refused")
+
+    record = run_send(refuse)
+    assert record.status == ERROR and record.error == "ConnectError: connection refused"
+
+    async def stall():
+        yield b"data: " + json.dumps(chunk("12")).encode() + b"\n\n"
+        await asyncio.sleep(10)
+
+    record = run_send(lambda r: httpx.Response(200, content=stall()), timeout_s=0.3)
+    assert record.status == ERROR and record.error == "timed out after 0.3 s"
+    assert record.ttfb_s is not None and 0.3 <= record.latency_s < 2
+
+
+def test_first_model():
+    async def ask(handler):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://test") as client:
+            return await first_model(client)
+
+    assert asyncio.run(ask(lambda r: httpx.Response(200, json={"data": [{"id": "tiny"}, {"id": "b"}]}))) == "tiny"
+    with pytest.raises(LoadgenError, match="did not list any model"):
+        asyncio.run(ask(lambda r: httpx.Response(200, json={"data": []})))
+    with pytest.raises(LoadgenError, match="answered 401: wrong key"):
+        asyncio.run(ask(lambda r: httpx.Response(401, json={"error": {"message": "wrong key"}})))

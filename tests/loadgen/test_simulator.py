@@ -1,0 +1,184 @@
+"""The cluster simulator: engine semantics, sanity, searches, calibration files, CLI."""
+
+import json
+
+import numpy as np
+import pytest
+
+from cluster.cli import main
+from loadgen.calibration import (DEFAULT_CALIBRATION, fit_calibration, fit_step_cost, load_calibration,
+                                 save_calibration, validate_calibration)
+from loadgen.simulator import (POLICIES, Workload, find_max_rate, find_replicas, fixed_fill_capacity,
+                               poisson_workload, run, simulate, slo_attainment, summarize, throughput_bound)
+
+CAL = validate_calibration(DEFAULT_CALIBRATION)
+
+
+def _workload(arrival, blocks, steps) -> Workload:
+    return Workload(np.array(arrival, float), np.array(blocks), np.array(steps))
+
+
+# ---- engine semantics on a hand-checked example ----------------------------------------------
+# a step of b rows costs 1 + b seconds; A: blocks of 3 and 1 steps, B: one block of 1 step
+# (both at t=0), C: one block of 1 step at t=0.5; two rows.
+HAND = {"c0": 1.0, "c1": 1.0, "max_batch": 2, "steps_per_block": {1: 1.0}, "blocks_per_request": {1: 1.0}}
+HAND_WORK = _workload([0.0, 0.0, 0.5], [2, 1, 1], [[3, 1], [1, 0], [1, 0]])
+HAND_LATENCY = {
+    # steps [0,3] A+B (B done), [3,6] A+C (C joins at once, done), [6,8] A (block 1 of A starts), [8,10] A
+    "fdfo": [10.0, 3.0, 5.5],
+    # round of 3 steps with A+B [0,9] (B done at 3), then A's 2nd block + C [9,12]
+    "sync": [12.0, 3.0, 11.5],
+    # A+B: round 1 [0,9], round 2 with B idle [9,12]; then C alone [12,14]
+    "static": [12.0, 3.0, 13.5],
+    "fixed_fill": [12.0, 3.0, 13.5],
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policies_follow_the_engine_semantics(policy):
+    result = simulate(HAND, HAND_WORK, policy, fill_timeout=0.0)
+    assert result.latency.tolist() == HAND_LATENCY[policy]
+
+
+def test_fixed_fill_waits_for_a_full_batch_or_the_timeout():
+    work = _workload([0.0, 1.0, 10.0], [1, 1, 1], [[1], [1], [1]])
+    result = simulate(HAND, work, "fixed_fill", fill_timeout=2.0)
+    # the 2nd arrival fills the batch at t=1: one step of 2 rows; the 3rd waits out its timeout
+    assert result.latency.tolist() == [4.0, 3.0, 4.0]
+
+
+# ---- sanity ------------------------------------------------------------------------------------
+def test_at_batch_one_every_policy_gives_the_same_latencies():
+    single = {**CAL, "max_batch": 1}
+    work = poisson_workload(single, 0.8 * fixed_fill_capacity(single), 3000, seed=3)
+    latencies = [simulate(single, work, policy).latency for policy in POLICIES]
+    for other in latencies[1:]:
+        np.testing.assert_allclose(other, latencies[0], rtol=1e-12)
+
+
+def test_fdfo_beats_sync_beats_static_at_moderate_load():
+    work = poisson_workload(CAL, 0.6 * fixed_fill_capacity(CAL), 5000, seed=4)
+    mean = {p: np.mean(simulate(CAL, work, p).latency) for p in ("fdfo", "sync", "static")}
+    assert mean["fdfo"] < mean["sync"] < mean["static"]
+
+
+def test_counts_add_up_and_times_are_consistent():
+    result = run(CAL, "fdfo", 1.5 * throughput_bound(CAL), 3000, seed=5, max_step_debt=400.0)
+    summary = summarize(result, slo_latency=1.0)
+    assert summary["completed"] + summary["refused"] == summary["offered"] == 3000
+    done = ~result.refused
+    assert np.all(np.isnan(result.latency[result.refused])) and not np.isnan(result.latency[done]).any()
+    assert np.all(result.ttfb[done] <= result.latency[done]) and np.all(result.ttfb[done] > 0)
+    assert summary["goodput_rps"] <= summary["throughput_rps"]
+    assert summary["latency_p50_s"] <= summary["latency_p90_s"] <= summary["latency_p99_s"]
+
+
+def test_refusals_only_beyond_capacity():
+    over = poisson_workload(CAL, 3 * throughput_bound(CAL), 2000, seed=6)
+    assert simulate(CAL, over, "fdfo", max_step_debt=500.0).refused.sum() > 0
+    assert simulate(CAL, over, "fdfo").refused.sum() == 0  # no bound: everything is admitted
+    light = poisson_workload(CAL, 0.2 * throughput_bound(CAL), 2000, seed=6)
+    assert simulate(CAL, light, "fdfo", max_step_debt=500.0).refused.sum() == 0
+
+
+def test_routing_spreads_load_over_replicas():
+    result = run(CAL, "sync", 3 * fixed_fill_capacity(CAL), 4000, seed=7, replicas=4)
+    counts = np.bincount(result.replica, minlength=4)
+    assert counts.min() > 0.2 * 4000
+
+
+def test_same_seed_same_run_other_seed_other_run():
+    first, again = (run(CAL, "fixed_fill", 5.0, 1000, seed=8).latency for _ in range(2))
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, run(CAL, "fixed_fill", 5.0, 1000, seed=9).latency)
+
+
+def test_find_max_rate_grows_with_the_slo():
+    rates = [find_max_rate(CAL, "sync", slo, requests=1500, seed=10) for slo in (0.3, 0.6, 1.2)]
+    assert 0 < rates[0] <= rates[1] <= rates[2] <= throughput_bound(CAL)
+    assert slo_attainment(run(CAL, "sync", rates[1], 1500, seed=10), 0.6) >= 0.99
+
+
+def test_find_replicas_is_the_least_that_meets_the_slo():
+    rate = 2.5 * throughput_bound(CAL)
+    needed = find_replicas(CAL, "fdfo", rate, 0.5, requests=2000, seed=11)
+    assert needed and needed >= 3
+    work = poisson_workload(CAL, rate, 2000, seed=11)
+    assert slo_attainment(simulate(CAL, work, "fdfo", replicas=needed), 0.5) >= 0.99
+    assert slo_attainment(simulate(CAL, work, "fdfo", replicas=needed - 1), 0.5) < 0.99
+    assert find_replicas(CAL, "static", rate, 0.05, requests=500, seed=11, max_replicas=4) is None
+
+
+@pytest.mark.parametrize("bad", [
+    dict(policy="lifo"), dict(policy="fdfo", replicas=0), dict(policy="fixed_fill", fill_timeout=-1.0),
+    dict(policy="fdfo", max_step_debt=0.0)])
+def test_bad_options_raise_value_error(bad):
+    with pytest.raises(ValueError):
+        simulate(CAL, poisson_workload(CAL, 1.0, 10), **bad)
+
+
+# ---- calibration files -------------------------------------------------------------------------
+def test_fit_recovers_step_cost_and_distributions():
+    rng = np.random.default_rng(0)
+    rows = rng.integers(1, 17, 500)
+    records = list(zip(rows.tolist(), (0.004 + 0.0005 * rows + rng.normal(0, 1e-4, 500)).tolist()))
+    cal = fit_calibration(records, [2, 2, 3, 2], [1, 2, 2, 3], max_batch=16, source="synthetic")
+    assert cal["c0"] == pytest.approx(0.004, abs=1e-4) and cal["c1"] == pytest.approx(0.0005, abs=1e-5)
+    assert cal["steps_per_block"] == {2: 0.75, 3: 0.25}
+    assert cal["blocks_per_request"] == {1: 0.25, 2: 0.5, 3: 0.25}
+
+
+def test_fit_clips_negative_coefficients():
+    assert fit_step_cost([(1, 0.5), (8, 0.1)]) == (pytest.approx(0.3), 0.0)  # cost falling with rows
+    c0, c1 = fit_step_cost([(1, 0.1), (2, 0.3), (3, 0.5)])  # line through c0 < 0
+    assert c0 == 0.0 and c1 == pytest.approx(2.2 / 14)
+    assert fit_step_cost([(4, 0.2), (4, 0.4)]) == (pytest.approx(0.3), 0.0)  # one batch size: all fixed
+
+
+def test_calibration_round_trip(tmp_path):
+    path = tmp_path / "cal.json"
+    save_calibration(CAL, path)
+    on_disk = json.loads(path.read_text())
+    assert set(on_disk) == {"c0", "c1", "max_batch", "steps_per_block", "blocks_per_request", "source"}
+    loaded = load_calibration(path)
+    assert loaded["c0"] == CAL["c0"] and loaded["steps_per_block"].keys() == CAL["steps_per_block"].keys()
+
+
+@pytest.mark.parametrize("text", [
+    "not json", "[]", '{"c0": 0.1}',
+    '{"c0": -1, "c1": 0, "max_batch": 4, "steps_per_block": {"2": 1}, "blocks_per_request": {"1": 1}}',
+    '{"c0": 0.1, "c1": 0, "max_batch": 0, "steps_per_block": {"2": 1}, "blocks_per_request": {"1": 1}}',
+    '{"c0": 0.1, "c1": 0, "max_batch": 4, "steps_per_block": {"0": 1}, "blocks_per_request": {"1": 1}}',
+    '{"c0": 0.1, "c1": 0, "max_batch": 4, "steps_per_block": {}, "blocks_per_request": {"1": 1}}'])
+def test_bad_calibration_files_raise_value_error(tmp_path, text):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError):
+        load_calibration(path)
+
+
+# ---- the command line ----------------------------------------------------------------------------
+def test_cli_sweep_json_and_plot(tmp_path, capsys):
+    plot = tmp_path / "latency.png"
+    assert main(["simulate", "--sweep", "2", "6", "--policy", "fdfo", "static", "--requests", "400",
+                 "--slo-latency", "1", "--json", "--plot", str(plot)]) == 0
+    rows = json.loads(capsys.readouterr().out)["sweep"]
+    assert [(r["policy"], r["rate"]) for r in rows] == [("fdfo", 2.0), ("fdfo", 6.0), ("static", 2.0), ("static", 6.0)]
+    assert plot.stat().st_size > 0
+
+
+def test_cli_find_replicas_table(capsys):
+    assert main(["simulate", "--find-replicas", "--rate", "40", "--slo-latency", "0.5", "--policy", "fdfo",
+                 "--requests", "600"]) == 0
+    assert "replicas" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate"], ["simulate", "--rate", "-2"], ["simulate", "--find-max-rate"],
+    ["simulate", "--rate", "1", "--calibration", "/nonexistent.json"],
+    ["simulate", "--rate", "1", "--max-step-debt", "lots"],
+    ["simulate", "--find-replicas", "--sweep", "1", "2", "--slo-latency", "1"]])
+def test_cli_bad_input_is_an_error_not_a_traceback(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "dllm-serve: error:" in err and "Traceback" not in err
