@@ -133,14 +133,16 @@ _SIM_COLUMNS = {
 
 def cmd_simulate(args) -> int:
     from loadgen import simulator as sim
+    from loadgen.arrivals import load_trace
     from loadgen.calibration import DEFAULT_CALIBRATION, load_calibration, validate_calibration
+    from loadgen.records import LoadgenError
 
     rates = args.sweep or ([args.rate] if args.rate is not None else [])
     if any(not r > 0 for r in rates):
         raise ValueError("arrival rates must be > 0 requests per second")
     if (args.find_max_rate or args.find_replicas or args.max_step_debt == "slo") and args.slo_latency is None:
         raise ValueError("--find-max-rate, --find-replicas and --max-step-debt slo need --slo-latency")
-    if args.plot and (args.find_max_rate or args.find_replicas or args.tau_table):
+    if args.plot and (args.find_max_rate or args.find_replicas or args.tau_table or args.trace):
         raise ValueError("--plot draws a rate sweep: use it with --rate/--sweep only")
     if args.calibration:
         cal = load_calibration(args.calibration)
@@ -172,11 +174,21 @@ def cmd_simulate(args) -> int:
         if len(rates) != 1:
             raise ValueError("--find-replicas needs one --rate")
         kind = "replicas"
-        rows = [{"policy": p, "rate": rates[0], "replicas": sim.find_replicas(cal, p, rates[0], **slo, **common, **options)}
+        rows = [{"policy": p, "rate": rates[0],
+                 "replicas": sim.find_replicas(cal, p, rates[0], **slo, **common, **options)}
                 for p in args.policy]
+    elif args.trace:
+        kind = "sweep"
+        try:
+            times = [arrival.time_s for arrival in load_trace(args.trace, max_count=10 ** 7)]
+        except LoadgenError as exc:
+            raise ValueError(str(exc)) from None
+        workload = sim.trace_workload(cal, times, args.seed)
+        rows = sim.compare(cal, workload, args.policy, args.slo_latency, replicas=args.replicas, **options)
     else:
         if not rates:
-            raise ValueError("give --rate R or --sweep R1 R2 ... (requests per second), or a --find-* question")
+            raise ValueError("give --rate R, --sweep R1 R2 ... (requests per second) or --trace FILE, "
+                             "or a --find-* question")
         kind = "sweep"
         rows = sim.sweep(cal, args.policy, rates, slo_latency=args.slo_latency, replicas=args.replicas,
                          **common, **options)
@@ -209,13 +221,17 @@ def _simulate_parser(commands) -> None:
     sim.add_argument("--replicas", type=int, default=1, help="replicas in the cluster (default 1)")
     sim.add_argument("--rate", type=float, help="arrival rate, requests per second (whole cluster)")
     sim.add_argument("--sweep", type=float, nargs="+", metavar="RATE", help="several arrival rates, one run each")
+    sim.add_argument("--trace", metavar="FILE",
+                     help="replay the arrival times of a loadgen JSONL trace ({\"timestamp\", ...} per line) "
+                          "instead of Poisson arrivals")
     sim.add_argument("--requests", type=int, default=5000, help="requests per run (default 5000)")
     sim.add_argument("--seed", type=int, default=0, help="random seed of arrivals and step counts (default 0)")
     sim.add_argument("--slo-latency", type=float, metavar="S", help="latency SLO in seconds (goodput, searches)")
     sim.add_argument("--slo-attainment", type=float, default=0.99, metavar="F",
                      help="fraction of requests that must meet the SLO, refused ones counted as misses (default 0.99)")
     sim.add_argument("--find-max-rate", action="store_true", help="per policy: the largest rate that meets the SLO")
-    sim.add_argument("--find-replicas", action="store_true", help="per policy: the fewest replicas for --rate within the SLO")
+    sim.add_argument("--find-replicas", action="store_true",
+                     help="per policy: the fewest replicas for --rate within the SLO")
     sim.add_argument("--tau-table", action="store_true",
                      help="analytic fixed_fill timeout vs the best simulated one at --sweep rates "
                           "(default: 10..90%% of one replica's fixed_fill capacity)")

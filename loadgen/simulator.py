@@ -6,8 +6,8 @@ Each replica runs one scheduler policy with the engine's exact semantics (see
 block of a request takes a number of steps drawn from the calibration:
 
 * ``fdfo``: after every step done rows move on or leave and waiting requests fill free
-  rows; optionally a step may be held to let arrivals join (``fdfo_hold``, the rule of
-  ``replicas.fill_timeout.fdfo_hold``).
+  rows; optionally a step may be held to let arrivals join (``fdfo_fill_hold``, the
+  rule of ``replicas.fill_timeout.fdfo_hold``).
 * ``sync``: the batch runs until every row's block is done (done rows still computed),
   then rows move on, finished ones leave and new ones join.
 * ``static``: block rounds like ``sync``; new requests join only when the whole batch
@@ -103,12 +103,6 @@ class _Ledger:
         self.finish = [math.nan] * n
         self.replica = [-1] * n
 
-    def release(self, replica: _Replica, req: int, steps: float) -> None:
-        amount = min(self.charge[req], steps)
-        self.charge[req] -= amount
-        replica.debt -= amount
-        self.outstanding -= amount
-
 
 class _Replica:
     """One engine: a FIFO queue and rows ``[request, block, steps left, state]``."""
@@ -198,21 +192,26 @@ class _Replica:
                 count = max(1, math.ceil((next_arrival - now) / step))
         else:
             count = 1
+        charge, released = ledger.charge, 0.0
         for row in active:
-            req, block = row[0], row[1]
-            taken = min(row[2], count)
-            row[2] -= taken
-            ledger.release(self, req, taken)
-            if row[2] == 0:
+            req, block, left = row[0], row[1], row[2]
+            taken = left if left < count else count
+            row[2] = left - taken
+            if left == taken:
                 done_at = now + taken * step
                 if block == 0:
                     ledger.ttfb[req] = done_at - ledger.arrival[req]
                 if block == ledger.blocks[req] - 1:
                     ledger.finish[req] = done_at
-                    ledger.release(self, req, math.inf)
+                    taken = charge[req]  # the rest of its charge
                     row[3] = _FINISHED
                 else:
                     row[3] = _BLOCK_DONE
+            taken = min(charge[req], taken)
+            charge[req] -= taken
+            released += taken
+        self.debt -= released
+        ledger.outstanding -= released
         self.free_at = now + count * step
         return self.free_at
 
@@ -220,6 +219,8 @@ class _Replica:
 # ---- the cluster ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SimResult:
+    """Per request, in arrival order."""
+
     arrival: np.ndarray
     latency: np.ndarray  # seconds, nan if refused
     ttfb: np.ndarray  # time to the first committed block, nan if refused
@@ -345,12 +346,22 @@ def run(calibration: Mapping, policy: str, rate: float, requests: int = 4000, se
     return simulate(calibration, poisson_workload(calibration, rate, requests, seed), policy, **options)
 
 
+def compare(calibration: Mapping, workload: Workload, policies, slo_latency: float | None = None,
+            rate: float | None = None, **options) -> list[dict]:
+    """One summary per policy on the same workload, labelled with ``rate`` (default: the
+    workload's mean arrival rate)."""
+    label = workload.rate if rate is None else float(rate)
+    return [{"policy": policy, "rate": label,
+             **summarize(simulate(calibration, workload, policy, **options), slo_latency)}
+            for policy in policies]
+
+
 def sweep(calibration: Mapping, policies, rates, requests: int = 4000, seed: int = 0,
           slo_latency: float | None = None, **options) -> list[dict]:
-    """One summary per (policy, rate), the same requests at every rate."""
-    return [{"policy": policy, "rate": float(rate),
-             **summarize(run(calibration, policy, rate, requests, seed, **options), slo_latency)}
-            for policy in policies for rate in rates]
+    """One summary per (rate, policy), the same requests at every rate."""
+    return [row for rate in rates
+            for row in compare(calibration, poisson_workload(calibration, rate, requests, seed), policies,
+                               slo_latency, rate, **options)]
 
 
 def _check_attainment(attainment: float) -> None:
@@ -428,17 +439,19 @@ def tau_table(calibration: Mapping, rates, requests: int = 20000, seed: int = 0,
 
 def plot_sweep(rows: list[dict], path: str, slo_latency: float | None = None) -> None:
     """Mean and p99 latency against arrival rate, one colour per policy (PNG)."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in dict.fromkeys(row["policy"] for row in rows):
         mine = [row for row in rows if row["policy"] == policy]
-        line, = ax.plot([r["rate"] for r in mine], [r["latency_mean_s"] for r in mine], marker="o", label=f"{policy} mean")
-        ax.plot([r["rate"] for r in mine], [r["latency_p99_s"] for r in mine], ls="--", color=line.get_color(),
-                label=f"{policy} p99")
+        rates = [r["rate"] for r in mine]
+        line, = ax.plot(rates, [r["latency_mean_s"] for r in mine], marker="o", label=f"{policy} mean")
+        ax.plot(rates, [r["latency_p99_s"] for r in mine], ls="--", color=line.get_color(), label=f"{policy} p99")
     if slo_latency is not None:
         ax.axhline(slo_latency, color="black", lw=0.8, label="SLO")
     ax.set(xlabel="arrival rate (requests/s)", ylabel="latency (s)", yscale="log", title="simulated latency vs load")

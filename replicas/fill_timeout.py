@@ -21,7 +21,7 @@ import numpy as np
 MAX_LOAD = 0.95  # the model is evaluated at min(λ, MAX_LOAD x capacity)
 TIE = 0.005  # the least τ whose modelled mean latency is within 0.5% of the minimum wins
 _GRID = np.concatenate([[0.0], np.geomspace(1 / 256, 2.0, 28)])  # τ / expected fill time
-_MAX_STATES = 2000  # queue lengths the chain tracks at most
+_MAX_STATES = 600  # queue lengths the chain tracks at most
 _LAMBDA_STEP = 1.02  # λ is rounded to this geometric grid, so repeated calls hit the cache
 
 

@@ -25,12 +25,12 @@ def _args(cal):
 @pytest.mark.parametrize("cal", [TINY, DISPATCH], ids=["tiny", "dispatch-bound"])
 def test_analytic_tau_is_within_5_percent_of_the_best_simulated(cal):
     capacity = fixed_fill_capacity(cal)
-    rows = tau_table(cal, [load * capacity for load in LOADS], requests=8000, seed=1, grid=8)
-    for load, row in zip(LOADS, rows):
+    for load in LOADS:
+        # near saturation latency means wander: more requests there keep the comparison stable
+        row, = tau_table(cal, [load * capacity], requests=int(4000 / (1 - load)), seed=1, grid=8)
         assert row["gap_percent"] <= 5.0, row
-        # the model itself: close to the simulation (a finite run's mean is noisy near saturation)
         modelled = modelled_mean_latency([row["analytic_tau_s"]], row["rate"], *_args(cal))[0]
-        assert modelled == pytest.approx(row["analytic_latency_s"], rel=0.1 if load < 0.8 else 0.25), row
+        assert modelled == pytest.approx(row["analytic_latency_s"], rel=0.1), row  # the model itself is close
 
 
 def test_filling_pays_only_near_saturation_when_dispatch_dominates():

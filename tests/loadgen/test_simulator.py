@@ -163,8 +163,16 @@ def test_cli_sweep_json_and_plot(tmp_path, capsys):
     assert main(["simulate", "--sweep", "2", "6", "--policy", "fdfo", "static", "--requests", "400",
                  "--slo-latency", "1", "--json", "--plot", str(plot)]) == 0
     rows = json.loads(capsys.readouterr().out)["sweep"]
-    assert [(r["policy"], r["rate"]) for r in rows] == [("fdfo", 2.0), ("fdfo", 6.0), ("static", 2.0), ("static", 6.0)]
+    assert [(r["policy"], r["rate"]) for r in rows] == [("fdfo", 2.0), ("static", 2.0), ("fdfo", 6.0), ("static", 6.0)]
     assert plot.stat().st_size > 0
+
+
+def test_cli_replays_a_trace(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(f'{{"timestamp": {0.05 * i}, "prompt": "x"}}\n' for i in range(50)))
+    assert main(["simulate", "--trace", str(trace), "--policy", "sync", "--json"]) == 0
+    row, = json.loads(capsys.readouterr().out)["sweep"]
+    assert row["completed"] == 50 and row["rate"] == pytest.approx(20.0)
 
 
 def test_cli_find_replicas_table(capsys):
@@ -177,7 +185,8 @@ def test_cli_find_replicas_table(capsys):
     ["simulate"], ["simulate", "--rate", "-2"], ["simulate", "--find-max-rate"],
     ["simulate", "--rate", "1", "--calibration", "/nonexistent.json"],
     ["simulate", "--rate", "1", "--max-step-debt", "lots"],
-    ["simulate", "--find-replicas", "--sweep", "1", "2", "--slo-latency", "1"]])
+    ["simulate", "--find-replicas", "--sweep", "1", "2", "--slo-latency", "1"],
+    ["simulate", "--trace", "/nonexistent.jsonl"]])
 def test_cli_bad_input_is_an_error_not_a_traceback(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
