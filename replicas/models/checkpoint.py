@@ -78,6 +78,7 @@ def save_model(net: nn.Module, path: str | Path) -> None:
     (path / "config.json").write_text(json.dumps(net.config.to_dict(), indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in net.state_dict().items()}
     save_file(state, str(path / "model.safetensors"))
+    (path / "model.safetensors").chmod(0o644)  # readable by the serving user, like config.json
 
 
 def load_tokenizer(model: str | Path):
