@@ -101,11 +101,27 @@ def report_table(report: dict) -> str:
     return format_report(report)
 
 
+def _calibration_writer(path: str | None, max_batch: int):
+    """A callback that fits the simulator's calibration to the fdfo run and saves it."""
+    if path is None:
+        return None
+    from loadgen.calibration import fit_calibration, save_calibration
+
+    def write(steps, outputs) -> None:
+        calibration = fit_calibration(
+            [(s.batch_size, s.step_s) for s in steps], [n for o in outputs for n in o.block_steps],
+            [len(o.block_steps) for o in outputs], max_batch, source="dllm-serve bench engine")
+        save_calibration(calibration, path)
+
+    return write
+
+
 def cmd_bench(args) -> int:
     if args.target == "engine":
         from replicas.bench import bench_engine
 
-        result = bench_engine(args.model, num_requests=args.requests or 256, max_batch=args.max_batch)
+        result = bench_engine(args.model, num_requests=args.requests or 256, max_batch=args.max_batch,
+                              on_fdfo_run=_calibration_writer(args.calibration, args.max_batch))
     else:
         from loadgen.policy_bench import bench_policies
 
@@ -399,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--slo-latency", type=float, default=1.0, help="policies: latency SLO for goodput (s)")
     bench.add_argument("--fill-timeout", type=float, help="policies: fixed_fill timeout in s (default: tuned online)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--calibration", metavar="FILE",
+                       help="engine: also write the simulator's calibration (step cost, step counts) here")
     bench.add_argument("--json", action="store_true", help="one JSON object on one line")
     bench.set_defaults(func=cmd_bench)
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from replicas.cost_model import fit_step_cost
+
 # Measured on the embedded tiny model (low_confidence, fp32, one torch thread on a shared
 # 2-core CPU; closed fdfo batches at max_batch 1..24, 2745 blocks, 400 requests). A
 # stand-in until `dllm-serve bench` writes a calibration of the engine that will serve.
@@ -73,28 +75,6 @@ def validate_calibration(raw: Mapping) -> dict:
             "steps_per_block": _distribution(raw["steps_per_block"], "steps_per_block"),
             "blocks_per_request": _distribution(raw["blocks_per_request"], "blocks_per_request"),
             "source": str(raw.get("source", ""))}
-
-
-def fit_step_cost(step_records: Iterable[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares ``(c0, c1)`` of ``step_seconds ≈ c0 + c1 * batch_size``, both >= 0.
-
-    With a single batch size the split is unknowable: everything goes to c0. A negative
-    coefficient is clipped to 0 and the other refitted alone.
-    """
-    data = np.asarray(list(step_records), dtype=float).reshape(-1, 2)
-    if len(data) == 0:
-        raise ValueError("fit: no step records")
-    b, t = data[:, 0], data[:, 1]
-    if np.any(b < 1) or not np.all(np.isfinite(t)) or np.any(t < 0):
-        raise ValueError("fit: step records need batch_size >= 1 and finite step_seconds >= 0")
-    if np.ptp(b) == 0:
-        return float(t.mean()), 0.0
-    c1, c0 = np.polyfit(b, t, 1)
-    if c1 < 0:
-        return float(t.mean()), 0.0
-    if c0 < 0:
-        return 0.0, float((b * t).sum() / (b * b).sum())
-    return float(c0), float(c1)
 
 
 def fit_calibration(step_records: Iterable[tuple[int, float]], block_steps: Iterable[int],

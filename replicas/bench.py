@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 from replicas.engine import Engine, EngineConfig
 from replicas.evaluation import score, tiny_params
@@ -22,11 +23,13 @@ def run_closed_batch(engine: Engine, prompts: list[str], params) -> tuple[list, 
     return outputs, steps, time.perf_counter() - start
 
 
-def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 16) -> dict:
+def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 16,
+                 on_fdfo_run: Callable[[list, list], None] | None = None) -> dict:
     """Tokens per second of each mode on the same heterogeneous tiny-task workload.
 
     The workload mixes 1 to 6 puzzles per request with 0 to 12 blanks per puzzle, so
     requests end at different blocks and blocks take different numbers of steps.
+    ``on_fdfo_run(step_stats, outputs)`` receives the fdfo run (e.g. to fit a calibration).
     """
     requests = task.make_requests(num_requests, BENCH_SEED)
     prompts = [r.prompt for r in requests]
@@ -44,6 +47,8 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
         result[f"{mode}_steps"] = len(steps)
         result["accuracy"][mode] = round(scored["request_accuracy"], 4)
         if mode == "fdfo":
+            if on_fdfo_run is not None:
+                on_fdfo_run(steps, outputs)
             result["compute_ratio"] = round(sum(s.forward_s for s in steps) / wall, 3)
             result["overhead_ms_per_step_p50"] = round(statistics.median(s.overhead_s for s in steps) * 1e3, 3)
             result["forward_ms_per_step_p50"] = round(statistics.median(s.forward_s for s in steps) * 1e3, 3)

@@ -11,11 +11,36 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Iterable
+
+import numpy as np
 
 from replicas.fill_timeout import fdfo_hold, optimal_fill_timeout
 
 
 RATE_WINDOW_S = 2.0
+
+
+def fit_step_cost(step_records: Iterable[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``(c0, c1)`` of ``step_seconds ≈ c0 + c1 * batch_size``, both >= 0.
+
+    With a single batch size the split is unknowable: everything goes to c0. A negative
+    coefficient is clipped to 0 and the other refitted alone.
+    """
+    data = np.asarray(list(step_records), dtype=float).reshape(-1, 2)
+    if len(data) == 0:
+        raise ValueError("fit: no step records")
+    b, t = data[:, 0], data[:, 1]
+    if np.any(b < 1) or not np.all(np.isfinite(t)) or np.any(t < 0):
+        raise ValueError("fit: step records need batch_size >= 1 and finite step_seconds >= 0")
+    if np.ptp(b) == 0:
+        return float(t.mean()), 0.0
+    c1, c0 = np.polyfit(b, t, 1)
+    if c1 < 0:
+        return float(t.mean()), 0.0
+    if c0 < 0:
+        return 0.0, float((b * t).sum() / (b * b).sum())
+    return float(c0), float(c1)
 
 
 class OnlineCostModel:
@@ -46,16 +71,8 @@ class OnlineCostModel:
         return sum(1 for t in self._arrivals if t >= since) / RATE_WINDOW_S
 
     def step_cost(self) -> tuple[float, float]:
-        """(c0, c1) of step seconds = c0 + c1 x rows, both clipped at 0."""
-        if not self._steps:
-            return 0.0, 0.0
-        n = len(self._steps)
-        mean_b = sum(b for b, _ in self._steps) / n
-        mean_t = sum(t for _, t in self._steps) / n
-        var_b = sum((b - mean_b) ** 2 for b, _ in self._steps)
-        c1 = sum((b - mean_b) * (t - mean_t) for b, t in self._steps) / var_b if var_b else 0.0
-        c1 = max(0.0, c1)
-        return max(0.0, mean_t - c1 * mean_b), c1
+        """(c0, c1) of step seconds = c0 + c1 x rows over the recent steps."""
+        return fit_step_cost(self._steps) if self._steps else (0.0, 0.0)
 
     def fill_timeout(self) -> float:
         """The analytic fixed-fill timeout for the current estimates (0 while nothing is known)."""

@@ -13,6 +13,9 @@ import pytest
 import yaml
 
 
+API_KEY = "test-key"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -73,6 +76,7 @@ def cluster(tmp_path_factory):
         "autoscaling": {"min_replicas": 2, "max_replicas": 2},
         "admission": {"max_step_debt_per_replica": 5000},
         "stats_period_s": 0.25,
+        "api_key": API_KEY,
     }
     running = start_cluster(tmp_path_factory.mktemp("cluster"), settings)
     yield running

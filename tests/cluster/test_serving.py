@@ -17,6 +17,9 @@ from replicas.evaluation import TINY_MAX_TOKENS, score, tiny_params
 from replicas.request import RequestOutput
 from replicas.tiny import task
 
+API_KEY = "test-key"  # the cluster fixture's
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
 SIX_PUZZLES = next(r for r in task.heldout_requests() if len(r.puzzles) == 6)
 SLOW = {"algorithm": "fixed_steps", "algorithm_params": {"steps": 16}}  # 17 steps per block
 
@@ -37,7 +40,7 @@ def total(text: str, name: str, label_filter: str = "") -> float:
 
 async def post_all(base_url: str, bodies: list[dict], concurrency: int, timeout: float = 120) -> list[httpx.Response]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits, headers=AUTH) as client:
         semaphore = asyncio.Semaphore(concurrency)
 
         async def one(body):
@@ -48,7 +51,7 @@ async def post_all(base_url: str, bodies: list[dict], concurrency: int, timeout:
 
 
 def test_openai_client_completes_chats_and_streams(cluster):
-    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=API_KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
     completion = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=TINY_MAX_TOKENS)
@@ -149,7 +152,8 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("name,path,body,status,error_type", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
 def test_bad_input_gets_an_openai_error(cluster, name, path, body, status, error_type):
-    kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    kwargs = {"content": body, "headers": {**AUTH, "Content-Type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body, "headers": AUTH}
     response = httpx.post(cluster.base_url + path, timeout=30, **kwargs)
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -157,14 +161,23 @@ def test_bad_input_gets_an_openai_error(cluster, name, path, body, status, error
 
 
 def test_literal_mask_token_is_text_and_replicas_keep_serving(cluster):
-    response = httpx.post(cluster.base_url + "/v1/completions", timeout=30,
+    response = httpx.post(cluster.base_url + "/v1/completions", timeout=30, headers=AUTH,
                           json={"model": "tiny", "prompt": "[MASK]", "max_tokens": 16})
     assert response.status_code == 200
     assert response.json()["usage"]["prompt_tokens"] == 6  # six characters, not one mask
     for request in task.heldout_requests()[:4]:
-        ok = httpx.post(cluster.base_url + "/v1/completions", timeout=30,
+        ok = httpx.post(cluster.base_url + "/v1/completions", timeout=30, headers=AUTH,
                         json={"model": "tiny", "prompt": request.prompt, "max_tokens": TINY_MAX_TOKENS})
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}], ids=["missing", "wrong"])
+def test_api_key_is_required(cluster, headers):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+        response = httpx.request(method, cluster.base_url + path, headers=headers, timeout=30,
+                                 json={"model": "tiny", "prompt": "1"} if method == "POST" else None)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
 
 
 def wait_idle_metrics(cluster, timeout=20.0) -> str:
@@ -211,7 +224,7 @@ def test_metrics_after_load_are_complete_and_consistent(cluster):
 def test_client_disconnect_mid_stream_frees_pages(cluster):
     before = wait_idle_metrics(cluster)
     body = {"model": "tiny", "prompt": SIX_PUZZLES.prompt, "max_tokens": TINY_MAX_TOKENS, "stream": True, **SLOW}
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=30, headers=AUTH) as client:
         with client.stream("POST", cluster.base_url + "/v1/completions", json=body) as response:
             first = next(response.iter_lines())
             assert first.startswith("data: ")
