@@ -187,21 +187,25 @@ class Engine:
 
     def _denoise_and_commit(self, batch, logits: torch.Tensor) -> list[int]:
         """Advance stepped rows with their algorithms; commit done blocks; return their step counts."""
-        stepped_rows = [r for r, s in zip(batch.block_rows, batch.stepped.tolist()) if s]
+        if bool(batch.stepped.all()):
+            stepped_rows = batch.block_rows
+        else:
+            stepped_rows = [r for r, s in zip(batch.block_rows, batch.stepped.tolist()) if s]
+            logits = logits[batch.stepped]
         if not stepped_rows:
             return []
-        row_index = batch.stepped.nonzero().squeeze(1)
         slots = torch.tensor([r.slot for r in stepped_rows])
         segments = torch.tensor([r.active_segment for r in stepped_rows])
         blocks = self.slots.blocks(slots, segments)
-        step_logits = logits[row_index]
         done = torch.zeros(len(stepped_rows), dtype=torch.bool)
-        for algorithm, members in self._group_by_algorithm(stepped_rows).items():
-            index = torch.tensor(members)
-            sub_blocks = blocks[index]
+        groups = self._group_by_algorithm(stepped_rows)
+        for algorithm, members in groups.items():
+            whole = len(groups) == 1  # the common case: no gather/scatter of the group
+            index = slice(None) if whole else torch.tensor(members)
+            sub_blocks = blocks if whole else blocks[index]
             try:
                 done[index] = algorithm.step(
-                    step_logits[index], sub_blocks, self.spec.mask_token_id,
+                    logits[index], sub_blocks, self.spec.mask_token_id,
                     [stepped_rows[i].algorithm_params for i in members],
                     [stepped_rows[i].algorithm_state for i in members])
             except Exception as exc:
@@ -209,15 +213,16 @@ class Engine:
                 for i in members:
                     self._fail(stepped_rows[i], f"algorithm {algorithm.name} failed: {exc}")
                 continue
-            blocks[index] = sub_blocks
+            if not whole:
+                blocks[index] = sub_blocks
         self.slots.write_blocks(slots, segments, blocks)
         committed = []
-        for i, request in enumerate(stepped_rows):
+        for i, (request, is_done) in enumerate(zip(stepped_rows, done.tolist())):
             if request.phase is not Phase.DENOISE:
                 continue  # failed above
             request.block_steps += 1
             request.num_steps += 1
-            if done[i]:
+            if is_done:
                 committed.append(request.block_steps)
                 output = self.outputs.commit_block(request, blocks[i].tolist())
                 self.totals.output_tokens += len(output.new_token_ids)
