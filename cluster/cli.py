@@ -298,11 +298,14 @@ def cmd_up(args) -> int:
 
     config = up_config(args)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(f"starting dllm-serve: model {config.model_name}, {config.autoscaling.min_replicas}"
           f"-{config.autoscaling.max_replicas} replica(s), mode {config.replica.mode.value}", flush=True)
     try:
         metrics_url = deploy(config, args.address)
+        # after ray.init, which installs handlers of its own: SIGTERM and SIGINT (even when
+        # started in the background, where SIGINT arrives ignored) both stop cleanly
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
         base = f"http://{config.host}:{config.port}"
         auth = f" -H 'Authorization: Bearer {config.api_key.get_secret_value()}'" if config.api_key else ""
         print(f"OpenAI API: {base}/v1\nmetrics:    {metrics_url}\ntry:\n"
