@@ -48,10 +48,7 @@ def plot_run(records: Sequence[Record], path: str, title: str) -> None:
     if records:
         timeline.legend()
     timeline.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def plot_sweep(summaries: Sequence[dict], path: str, title: str) -> None:
@@ -69,6 +66,10 @@ def plot_sweep(summaries: Sequence[dict], path: str, title: str) -> None:
     for ax in (latency, rates):
         ax.legend()
         ax.grid(alpha=0.3)
+    _save(plt, fig, path, title)
+
+
+def _save(plt, fig, path: str, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
