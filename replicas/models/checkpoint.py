@@ -88,7 +88,15 @@ def load_tokenizer(model: str | Path):
     path = resolve_path(model)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise CheckpointError(f"{path} has no tokenizer.json or tokenizer_config.json")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    from transformers.utils import logging as hf_logging
+
+    # AutoTokenizer also reads config.json and warns that it does not know our model types
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def load_model_spec(model: str | Path):
