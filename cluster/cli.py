@@ -293,6 +293,10 @@ def up_config(args):
     return load_config(args.config, overrides)
 
 
+# a 4x4 Sudoku on the tiny model's canvas (see README); any text works for other models
+_EXAMPLE_PROMPT = "1.3. ..2. 4... .1.4 " + " ".join(["----"] * 24)
+
+
 def cmd_up(args) -> int:
     from cluster.app import deploy, shutdown
 
@@ -310,7 +314,7 @@ def cmd_up(args) -> int:
         auth = f" -H 'Authorization: Bearer {config.api_key.get_secret_value()}'" if config.api_key else ""
         print(f"OpenAI API: {base}/v1\nmetrics:    {metrics_url}\ntry:\n"
               f"  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} "
-              f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": \"1.3. ..2. 4... .1.4\", \"max_tokens\": 32}}'\n"
+              f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": \"{_EXAMPLE_PROMPT}\", \"max_tokens\": 32}}'\n"
               f"ready; Ctrl-C stops", flush=True)
         stop.wait()
     except KeyboardInterrupt:
