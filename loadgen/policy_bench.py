@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-import numpy as np
-
 from loadgen.arrivals import poisson_times, tiny_prompts
+from loadgen.stats import percentile
 from replicas.async_engine import AsyncEngine
+from replicas.bench import run_closed_batch
 from replicas.engine import Engine, EngineConfig
 from replicas.evaluation import tiny_params
 from replicas.models import load_model, load_tokenizer
@@ -44,10 +44,8 @@ async def _drive(engine: Engine, times: list[float], prompts: list[str]) -> list
 
 def closed_batch_rate(net, tokenizer, prompts: list[str], max_batch: int) -> float:
     """Requests per second fdfo sustains on a closed batch: the capacity the load is scaled to."""
-    engine = Engine(net, tokenizer, EngineConfig(max_batch=max_batch))
-    start = time.perf_counter()
-    engine.generate(prompts, tiny_params())
-    return len(prompts) / (time.perf_counter() - start)
+    _, _, wall = run_closed_batch(Engine(net, tokenizer, EngineConfig(max_batch=max_batch)), prompts, tiny_params())
+    return len(prompts) / wall
 
 
 def bench_policies(model: str = "tiny", num_requests: int = 300, load: float = 0.7, rate: float | None = None,
@@ -64,17 +62,17 @@ def bench_policies(model: str = "tiny", num_requests: int = 300, load: float = 0
     for policy in POLICIES:
         config = EngineConfig(mode=policy, max_batch=max_batch, fill_timeout_s=fill_timeout_s)
         records = asyncio.run(_drive(Engine(net, tokenizer, config), times, prompts))
-        latencies[policy] = np.array([r["latency_s"] for r in records])
-        ttfb = np.array([r["ttfb_s"] for r in records])
+        latencies[policy] = [r["latency_s"] for r in records]
+        ttfb = [r["ttfb_s"] for r in records]
         result["policies"][policy] = {
-            "latency_p50_s": round(float(np.percentile(latencies[policy], 50)), 4),
-            "latency_p99_s": round(float(np.percentile(latencies[policy], 99)), 4),
-            "ttfb_p50_s": round(float(np.percentile(ttfb, 50)), 4),
+            "latency_p50_s": round(percentile(latencies[policy], 50), 4),
+            "latency_p99_s": round(percentile(latencies[policy], 99), 4),
+            "ttfb_p50_s": round(percentile(ttfb, 50), 4),
         }
     span = times[-1] if times else 1.0
     result["slo_latency_s"] = slo_latency_s
     for policy, values in latencies.items():
-        result["policies"][policy]["goodput_per_s"] = round(float((values <= slo_latency_s).sum()) / span, 3)
+        result["policies"][policy]["goodput_per_s"] = round(sum(v <= slo_latency_s for v in values) / span, 3)
     fdfo = result["policies"]["fdfo"]
     result["fdfo_over"] = {
         policy: {
