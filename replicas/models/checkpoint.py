@@ -6,19 +6,31 @@ Nothing is ever fetched from a hub: every file comes from the directory given.
 from __future__ import annotations
 
 import json
+import re
+from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
+from replicas.models.defaults import ModelSettingsError, apply_overrides
+from replicas.models.dream import DreamModel
+from replicas.models.llada import LLaDAModelLM
+from replicas.models.llada2_moe import LLaDA2MoeModelLM
+from replicas.models.lora import LoraError, merge_delta, read_adapter
+from replicas.models.sdar import SDARForCausalLM
+from replicas.models.spec import ModelSpec
 from replicas.models.tiny import TinyDllmForBlockDiffusion
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
-    "TinyDllmForBlockDiffusion": TinyDllmForBlockDiffusion,
+    cls.__name__: cls
+    for cls in (TinyDllmForBlockDiffusion, LLaDAModelLM, DreamModel, LLaDA2MoeModelLM, SDARForCausalLM)
 }
 
 TINY_CHECKPOINT = Path(__file__).parent.parent / "tiny" / "checkpoint"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
@@ -43,32 +55,100 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from exc
 
 
-def _architecture(path: Path, raw: dict) -> type[nn.Module]:
+def _build(path: Path, overrides: dict | None) -> nn.Module:
+    """The architecture named in config.json, on the meta device (no memory), with the
+    per-model defaults and ``overrides`` applied to its spec."""
+    raw = read_config(path)
     arch = (raw.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
         raise CheckpointError(
             f"{path}/config.json names architecture {arch!r}; supported: {sorted(ARCHITECTURES)}"
         )
-    return ARCHITECTURES[arch]
+    cls = ARCHITECTURES[arch]
+    try:
+        with torch.device("meta"):
+            net = cls(cls.config_class.from_dict(raw))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}/config.json does not describe a {arch}: {exc}") from exc
+    try:
+        net.spec = apply_overrides(net.spec, overrides)
+    except ModelSettingsError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+    return net
 
 
-def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
-    """Build the architecture named in config.json and load its safetensors weights."""
+def weight_files(path: Path) -> dict[str, Path]:
+    """Checkpoint parameter name -> the safetensors file that holds it (sharded or not)."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index} has no valid weight_map: {exc}") from exc
+        files = {name: path / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise CheckpointError(f"shard {shard} named in {index} is missing")
+        return files
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{path} has neither {INDEX_FILE} nor model.safetensors")
+    with safe_open(str(single), "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _rename(net: nn.Module, name: str) -> str:
+    for pattern, replacement in getattr(net, "checkpoint_renames", ()):
+        renamed, count = re.subn(pattern, replacement, name)
+        if count:
+            return renamed
+    return name
+
+
+def _read_state(path: Path, net: nn.Module, dtype: torch.dtype, device: str,
+                lora: str | Path | None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, LoRA merged, under our parameter names."""
+    scale, deltas = read_adapter(lora) if lora else (0.0, {})
+    unused = set(deltas)
+    by_file = defaultdict(list)
+    for name, file in weight_files(path).items():
+        by_file[file].append(name)
+    tied = getattr(getattr(net, "shape", None), "tie_word_embeddings", False)
+    state = {}
+    for file, names in by_file.items():
+        with safe_open(str(file), "pt") as f:
+            for name in names:
+                if tied and name == "lm_head.weight":
+                    continue  # a tied head is the embedding; some checkpoints store a copy
+                tensor = f.get_tensor(name)
+                if name in deltas:
+                    tensor = merge_delta(tensor, *deltas[name], scale)
+                    unused.discard(name)
+                state[_rename(net, name)] = tensor.to(
+                    device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+    if unused:
+        raise LoraError(f"LoRA adapter {lora} targets parameters the checkpoint lacks: {sorted(unused)[:5]}")
+    return state
+
+
+def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               lora: str | Path | None = None, overrides: dict | None = None) -> nn.Module:
+    """Build the architecture named in config.json and load its safetensors weights
+    (``lora``: a PEFT adapter directory merged into them; ``overrides``: model defaults)."""
     path = resolve_path(model)
-    raw = read_config(path)
-    cls = _architecture(path, raw)
-    arch = cls.__name__
-    net = cls(cls.config_class.from_dict(raw))
-    weights_file = path / "model.safetensors"
-    if not weights_file.is_file():
-        raise CheckpointError(f"{weights_file} is missing")
-    state = load_file(str(weights_file))
-    missing, unexpected = net.load_state_dict(state, strict=False)
+    net = _build(path, overrides)
+    try:
+        state = _read_state(path, net, dtype, device, lora)
+    except LoraError as exc:
+        raise CheckpointError(str(exc)) from exc
+    expected = set(net.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise CheckpointError(
-            f"{weights_file} does not match {arch}: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    return net.to(device=device, dtype=dtype).eval()
+            f"the weights in {path} do not match {type(net).__name__}: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    net.load_state_dict(state, strict=True, assign=True)
+    return net.eval()
 
 
 def save_model(net: nn.Module, path: str | Path) -> None:
@@ -99,10 +179,6 @@ def load_tokenizer(model: str | Path):
         hf_logging.set_verbosity(verbosity)
 
 
-def load_model_spec(model: str | Path):
+def load_model_spec(model: str | Path, overrides: dict | None = None) -> ModelSpec:
     """The engine-facing facts of a checkpoint (block length, ids, limits) without its weights."""
-    path = resolve_path(model)
-    raw = read_config(path)
-    cls = _architecture(path, raw)
-    with torch.device("meta"):
-        return cls(cls.config_class.from_dict(raw)).spec
+    return _build(resolve_path(model), overrides).spec

@@ -14,26 +14,41 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # in float32 like the reference implementations, then back to the input dtype
+        out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return out.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (the "rotate half" layout used by Llama/Qwen)."""
+    """Rotary position embedding in the "rotate half" layout (Llama, Qwen, OLMo, Ling).
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int):
+    ``rotary_dim < head_dim`` is partial rotary (LLaDA2.0): only the first ``rotary_dim``
+    dimensions of each head turn, the rest pass through. Angles are computed per call
+    from the positions (no table, so a long context costs nothing up front).
+    """
+
+    def __init__(self, head_dim: int, theta: float, rotary_dim: int | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", torch.cat([angles.cos()] * 2, dim=-1), persistent=False)
-        self.register_buffer("sin", torch.cat([angles.sin()] * 2, dim=-1), persistent=False)
+        self.rotary_dim = rotary_dim or head_dim
+        self.theta = theta
+        self._inv_freq: torch.Tensor | None = None
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if self._inv_freq is None or self._inv_freq.device != device:
+            exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
+            self._inv_freq = 1.0 / (self.theta ** exponent)
+        return self._inv_freq
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x[..., T, H, D]`` by ``positions[..., T]``."""
-        cos = self.cos[positions].unsqueeze(-2).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(-2).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        angles = positions.unsqueeze(-1).float() * self.inv_freq(x.device)
+        cos = torch.cat([angles.cos()] * 2, dim=-1).unsqueeze(-2).to(x.dtype)
+        sin = torch.cat([angles.sin()] * 2, dim=-1).unsqueeze(-2).to(x.dtype)
+        turned, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-turned[..., half:], turned[..., :half]], dim=-1)
+        out = turned * cos + rotated * sin
+        return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
 
 
 class SwiGLU(nn.Module):

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ATTENTION_KINDS = ("block_causal", "bidirectional")
 
 
 @dataclass(frozen=True)
@@ -15,3 +19,33 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     max_positions: int
+    # "block_causal": a block sees earlier blocks and itself (exact KV cache);
+    # "bidirectional": every token sees the whole sequence (LLaDA, Dream)
+    attention: str = "block_causal"
+    shift_logits: bool = False  # the logit of position i is the output at i - 1 (Dream)
+    # positions run on from the prompt's last token into the first block; False leaves the
+    # gap up to the prompt's page boundary (the tiny model was trained that way)
+    contiguous_positions: bool = True
+    default_algorithm: str = "low_confidence"
+    default_algorithm_params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bidirectional(self) -> bool:
+        return self.attention == "bidirectional"
+
+
+class ConfigFields:
+    """Mixin for config dataclasses read from a checkpoint's config.json: unknown keys are ignored."""
+
+    @classmethod
+    def from_dict(cls, raw: dict):
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in raw.items() if k in names}
+        if "architectures" in values:
+            values["architectures"] = tuple(values["architectures"])
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["architectures"] = list(self.architectures)
+        return out

@@ -8,18 +8,17 @@ SDAR / LLaDA2.0 / D2F family), so committed blocks have an exact KV cache.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from replicas.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
-from replicas.models.spec import ModelSpec
+from replicas.models.spec import ConfigFields, ModelSpec
 
 
 @dataclass
-class TinyDllmConfig:
+class TinyDllmConfig(ConfigFields):
     vocab_size: int
     mask_token_id: int
     eos_token_id: int
@@ -35,19 +34,6 @@ class TinyDllmConfig:
     rms_norm_eps: float = 1e-6
     architectures: tuple[str, ...] = ("TinyDllmForBlockDiffusion",)
     model_type: str = "tiny_dllm"
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "TinyDllmConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in raw.items() if k in names}
-        if "architectures" in values:
-            values["architectures"] = tuple(values["architectures"])
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["architectures"] = list(self.architectures)
-        return out
 
 
 class TinyAttention(nn.Module):
@@ -92,7 +78,7 @@ class TinyDllmForBlockDiffusion(nn.Module):
         super().__init__()
         self.config = config
         head_dim = config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(head_dim, config.rope_theta, config.max_position_embeddings)
+        rotary = RotaryEmbedding(head_dim, config.rope_theta)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # the position inside its block, added to the token embedding: rotary attention
         # alone sees only relative offsets, and the tiny tasks are laid out in block cells
@@ -111,6 +97,7 @@ class TinyDllmForBlockDiffusion(nn.Module):
             num_kv_heads=config.num_attention_heads,
             head_dim=head_dim,
             max_positions=config.max_position_embeddings,
+            contiguous_positions=False,
         )
 
     def forward(

@@ -1,0 +1,166 @@
+"""The pre-norm decoder stack that LLaDA, Dream, SDAR and LLaDA2.0 share.
+
+The four architectures differ in their config field names, parameter names, QKV bias,
+QK-norm, fused QKV, partial rotary and their MLP (dense SwiGLU or a mixture of experts);
+everything else is this one stack. Parameters carry Qwen-style names
+(``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``, ``lm_head`` ...); each
+architecture maps its checkpoint's own names onto these (``checkpoint_renames``).
+
+Attention goes through ``context.attend`` (replicas.attention), so which tokens a query
+sees (block-causal or bidirectional, cached or not) is decided by the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from replicas.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from replicas.models.spec import ConfigFields
+from replicas.models.defaults import default_spec
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_positions: int
+    qkv_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3, Ling)
+    fused_qkv: bool = False  # one qkv_proj: rows [q heads | k heads | v heads]
+    rotary_dim: int | None = None  # partial rotary; None = the whole head
+    tie_word_embeddings: bool = False
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_index = layer_index
+        self.heads, self.kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        hidden, q_out, kv_out = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        if shape.fused_qkv:
+            self.qkv_proj = nn.Linear(hidden, q_out + 2 * kv_out, bias=shape.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(hidden, q_out, bias=shape.qkv_bias)
+            self.k_proj = nn.Linear(hidden, kv_out, bias=shape.qkv_bias)
+            self.v_proj = nn.Linear(hidden, kv_out, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(q_out, hidden, bias=False)
+        if shape.qk_norm:
+            self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
+            self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
+        self.rotary = rotary
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if hasattr(self, "qkv_proj"):
+            q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            return self.qkv_proj(x).split([q_out, kv_out, kv_out], dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:
+        q, k, v = self.project(x)
+        q = q.view(*x.shape[:-1], self.heads, self.head_dim)
+        k = k.view(*x.shape[:-1], self.kv_heads, self.head_dim)
+        v = v.view(*x.shape[:-1], self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        out = context.attend(self.layer_index, q, k, v)
+        return self.o_proj(out.reshape(*x.shape[:-1], -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.self_attn = Attention(shape, layer_index, rotary)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, context)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, shape: DecoderShape, make_mlp: Callable[[int], nn.Module]):
+        super().__init__()
+        rotary = RotaryEmbedding(shape.head_dim, shape.rope_theta, shape.rotary_dim)
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(shape, i, rotary, make_mlp(i)) for i in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; subclasses say how to build it
+    from their config.json (``config_class``) and how their parameter names map here."""
+
+    config_class: type
+    # (checkpoint name pattern, our name) regex pairs, applied in order by the loader
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, config, shape: DecoderShape, make_mlp: Callable[[int], nn.Module] | None = None):
+        super().__init__()
+        self.config = config
+        self.shape = shape
+        self.spec = default_spec(type(self).__name__, config, shape)
+        self.model = DecoderBody(shape, make_mlp or (lambda i: SwiGLU(shape.hidden_size, shape.intermediate_size)))
+        if not shape.tie_word_embeddings:
+            self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context,
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for ``input_ids`` (``[T]`` packed or ``[B, S]`` dense); ``logits_index``
+        selects the packed tokens whose logits are needed."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, context)
+        if logits_index is not None:
+            x = x[logits_index]
+        x = self.model.norm(x)
+        head = self.model.embed_tokens.weight if self.shape.tie_word_embeddings else self.lm_head.weight
+        return x @ head.T
+
+
+@dataclass
+class QwenStyleConfig(ConfigFields):
+    """The config.json fields of the Qwen/Llama family (Dream, SDAR; LLaDA2.0 adds its own)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mask_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    architectures: tuple[str, ...] = ()
+    model_type: str = ""
+
+    def decoder_shape(self, **extra) -> DecoderShape:
+        head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        values = dict(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_hidden_layers,
+            num_heads=self.num_attention_heads, num_kv_heads=self.num_key_value_heads or self.num_attention_heads,
+            head_dim=head_dim, intermediate_size=self.intermediate_size, rope_theta=self.rope_theta,
+            rms_norm_eps=self.rms_norm_eps, max_positions=self.max_position_embeddings,
+            qkv_bias=self.attention_bias, tie_word_embeddings=self.tie_word_embeddings)
+        return DecoderShape(**{**values, **extra})
