@@ -7,13 +7,10 @@ import os
 
 import ray
 from ray import serve
-from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
-from cluster.autoscaling import StepDebtPolicy
 from cluster.config import AppConfig
 from cluster.ingress import Ingress
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE, MetricsActor
-from cluster.router import DrainTimeRouter
 from replicas.deployment import EngineReplica
 
 log = logging.getLogger(__name__)
@@ -30,7 +27,8 @@ def engine_config(config: AppConfig) -> dict:
 
 
 def replica_deployment_options(config: AppConfig) -> dict:
-    """Options of the replica deployment (also rendered into Kubernetes serveConfigV2)."""
+    """Options of the replica deployment, plain data (classes by import path), so that
+    they also render into Kubernetes serveConfigV2 unchanged."""
     scaling = config.autoscaling
     options = {
         "name": "EngineReplica",
@@ -39,6 +37,12 @@ def replica_deployment_options(config: AppConfig) -> dict:
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
         "graceful_shutdown_timeout_s": 60.0,
+        "request_router_config": {
+            "request_router_class": "cluster.router:DrainTimeRouter",
+            "request_router_kwargs": {"stale_after_s": max(5.0, 10 * config.stats_period_s)},
+            "request_routing_stats_period_s": config.stats_period_s,
+            "request_routing_stats_timeout_s": max(1.0, config.stats_period_s),
+        },
     }
     if scaling.max_replicas > scaling.min_replicas:
         options["autoscaling_config"] = {
@@ -46,39 +50,43 @@ def replica_deployment_options(config: AppConfig) -> dict:
             "initial_replicas": scaling.min_replicas,
             "upscale_delay_s": scaling.upscale_delay_s, "downscale_delay_s": scaling.downscale_delay_s,
             "metrics_interval_s": config.stats_period_s, "look_back_period_s": max(2.0, 4 * config.stats_period_s),
+            "policy": {"policy_function": "cluster.autoscaling:StepDebtPolicy",
+                       "policy_kwargs": {"target_drain_s": config.target_drain_s}},
         }
     else:
         options["num_replicas"] = scaling.min_replicas
     return options
 
 
+def ingress_deployment_options(config: AppConfig) -> dict:
+    return {"name": "Ingress", "num_replicas": 1, "max_ongoing_requests": 100_000,
+            "ray_actor_options": {"num_cpus": 0.1}}
+
+
 def build_app(config: AppConfig):
     """The bound application: Ingress -> EngineReplica (routed by predicted drain time)."""
-    options = replica_deployment_options(config)
-    if "autoscaling_config" in options:
-        options["autoscaling_config"] = AutoscalingConfig(
-            **options["autoscaling_config"],
-            policy=AutoscalingPolicy(policy_function=StepDebtPolicy,
-                                     policy_kwargs={"target_drain_s": config.target_drain_s}))
-    replica = serve.deployment(EngineReplica).options(
-        request_router_config=RequestRouterConfig(
-            request_router_class=DrainTimeRouter,
-            request_router_kwargs={"stale_after_s": max(5.0, 10 * config.stats_period_s)},
-            request_routing_stats_period_s=config.stats_period_s,
-            request_routing_stats_timeout_s=max(1.0, config.stats_period_s)),
-        **options,
-    ).bind(
+    replica = serve.deployment(EngineReplica).options(**replica_deployment_options(config)).bind(
         config.model, engine_config(config),
         metrics_actor={"name": ACTOR_NAME, "namespace": ACTOR_NAMESPACE},
         stats_period_s=config.stats_period_s,
         initial_row_steps_per_s=config.admission.initial_row_steps_per_s,
         torch_threads=config.replica.torch_threads,
     )
-    ingress = serve.deployment(Ingress).options(
-        name="Ingress", num_replicas=1, max_ongoing_requests=100_000,
-        ray_actor_options={"num_cpus": 0.1},
-    )
-    return ingress.bind(replica, config.model_dump(mode="json") | _secrets(config))
+    ingress = serve.deployment(Ingress).options(**ingress_deployment_options(config))
+    return ingress.bind(replica, app_args(config))
+
+
+def app_args(config: AppConfig) -> dict:
+    """The config as the app builder's JSON arguments (secrets included)."""
+    return config.model_dump(mode="json") | _secrets(config)
+
+
+def build_from_args(args: dict):
+    """Serve application builder, the ``import_path`` of `dllm-serve up` and of the rendered
+    serveConfigV2: validates ``args`` as an AppConfig, starts the metrics actor, returns the app."""
+    config = AppConfig.model_validate(args)
+    start_metrics_actor(config)
+    return build_app(config)
 
 
 def _secrets(config: AppConfig) -> dict:
@@ -87,10 +95,10 @@ def _secrets(config: AppConfig) -> dict:
 
 
 def start_metrics_actor(config: AppConfig):
-    """The named metrics actor (idempotent); returns its scrape URL."""
+    """The named metrics actor on the head node (idempotent); returns its scrape URL."""
     actor = ray.remote(MetricsActor).options(
         name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_restarts=-1,
+        num_cpus=0, max_restarts=-1, resources={"node:__internal_head__": 0.001},
     ).remote(config.host, config.metrics_port)
     return ray.get(actor.ready.remote())
 
@@ -102,11 +110,12 @@ def deploy(config: AppConfig, address: str | None = None) -> str:
     else:
         needed = config.autoscaling.max_replicas * config.replica.num_cpus + 0.1
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
-                 include_dashboard=False, namespace=ACTOR_NAMESPACE, log_to_driver=False)
-    metrics_url = start_metrics_actor(config)
+                 include_dashboard=False, namespace=ACTOR_NAMESPACE, log_to_driver=False,
+                 _metrics_export_port=config.ray_metrics_port)
+    app = build_from_args(app_args(config))  # the builder Kubernetes runs, metrics actor included
     serve.start(http_options={"host": config.host, "port": config.port})
-    serve.run(build_app(config), name=config.name, route_prefix="/")
-    return metrics_url
+    serve.run(app, name=config.name, route_prefix="/")
+    return start_metrics_actor(config)
 
 
 def shutdown(config: AppConfig) -> None:

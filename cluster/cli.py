@@ -345,6 +345,19 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_render(args) -> int:
+    from cluster.config import load_config
+    from cluster.render import render_k8s
+
+    text = render_k8s(load_config(args.config, _parse_set(args.set)), args.config)
+    if args.output:
+        with open(args.output, "w") as out:
+            out.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dllm-serve",
@@ -409,6 +422,19 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--address", default="auto", help="Ray address (default: the local cluster)")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
+
+    render = commands.add_parser(
+        "render", help="write deployment manifests from a config (k8s: a KubeRay RayService)",
+        description="Render the KubeRay RayService for the settings of `dllm-serve up --config FILE`: "
+                    "serveConfigV2 (the same app builder, deployment options and autoscaling), a head group "
+                    "and a worker group (nvidia.com/gpu when kubernetes.worker_gpus > 0), probes, resources "
+                    "and metrics ports. The kubernetes.* settings (see `dllm-serve up --help`) choose the "
+                    "image and pod sizes; deploy/README.md has the steps to apply it.")
+    render.add_argument("target", choices=["k8s"], help="what to render (k8s: a ray.io/v1 RayService)")
+    render.add_argument("--config", required=True, help="YAML file with settings, as for `dllm-serve up`")
+    render.add_argument("--set", action="append", metavar="KEY=VALUE", help="one setting, e.g. --set kubernetes.image=X")
+    render.add_argument("-o", "--output", metavar="FILE", help="write here instead of standard output")
+    render.set_defaults(func=cmd_render)
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side")
     bench.add_argument("target", choices=["engine", "policies"],

@@ -68,6 +68,20 @@ class AutoscalingSettings(_Section):
     downscale_delay_s: float = Field(60.0, ge=0, description="seconds a scale-down decision must hold before it acts")
 
 
+class KubernetesSettings(_Section):
+    """What `dllm-serve render k8s` needs beyond the application itself."""
+
+    image: str = Field("dllm-serve:0.1.0", description="container image with dllm-serve installed (deploy/Dockerfile)")
+    namespace: str | None = Field(None, description="namespace of the RayService (default: kubectl's current one)")
+    head_cpus: int = Field(2, ge=1, description="CPUs of the head pod (Serve controller, proxy, ingress, metrics actor)")
+    head_memory: str = Field("4Gi", description="memory of the head pod")
+    worker_cpus: int = Field(4, ge=1, description="CPUs of each worker pod")
+    worker_memory: str = Field("16Gi", description="memory of each worker pod")
+    worker_gpus: int = Field(0, ge=0, description="nvidia.com/gpu per worker pod; > 0 makes the worker group a GPU group")
+    model_volume_claim: str | None = Field(
+        None, description="PersistentVolumeClaim with checkpoints, mounted read-only at /models in the workers")
+
+
 class AppConfig(_Section):
     model: str = Field("tiny", description="checkpoint directory, or 'tiny' for the embedded model")
     served_model_name: str | None = Field(None, description="name in /v1/models (default: 'tiny' or the directory name)")
@@ -75,6 +89,9 @@ class AppConfig(_Section):
     host: str = Field("127.0.0.1", description="HTTP host")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API")
     metrics_port: int = Field(9400, ge=1, le=65535, description="Prometheus port of the metrics actor")
+    ray_metrics_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Prometheus port of Ray's own metrics, ray_serve_* included (default: a free port; 8080 on Kubernetes)")
     api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer KEY' when set")
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none")
     stats_period_s: float = Field(0.5, gt=0, description="how often replicas report routing/metrics stats")
@@ -83,6 +100,7 @@ class AppConfig(_Section):
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     slo: SLOSettings = Field(default_factory=SLOSettings)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
