@@ -2,13 +2,15 @@
 
 Every step packs the new tokens of all rows into one sequence. A row's keys are the
 tokens already in its pages (prompt and committed blocks) plus its new tokens, which
-are written to the cache before attention reads it back. The mask is block-causal at
-page granularity: a query in the row's page ``s`` sees every valid key in pages ``<= s``
-(bidirectional inside a page). Pages are exactly one block, so this is the attention
-of the SDAR / LLaDA2.0 / D2F family and committed blocks have an exact KV cache.
+are written to the cache before attention reads it back. Which keys a unit sees is the
+runner's choice (``key_valid``): block-causal at page granularity (a query in the row's
+page ``s`` sees every valid key in pages ``<= s``, bidirectional inside a page: the
+SDAR / LLaDA2.0 / D2F family, whose committed blocks have an exact KV cache), or every
+page of the row up to its active block (bidirectional LLaDA / Dream).
 
-Model code calls ``context.attend(layer, q, k, v)`` and never knows which backend or
-which kind of batch (packed inference or dense training) it runs in.
+Model code calls ``context.attend(layer, q, k, v)`` and never knows which backend (torch
+SDPA, or vllm-flash-attn varlen on CUDA; ``paged_context`` picks) or which kind of batch
+(packed inference or dense training) it runs in.
 """
 
 from __future__ import annotations
@@ -94,3 +96,65 @@ class DenseAttentionContext:
             enable_gqa=q.shape[2] != k.shape[2],
         )
         return out.transpose(1, 2)
+
+
+class FlashAttentionContext:
+    """vllm-flash-attn varlen over the same layout (CUDA, fp16/bf16): each unit's queries
+    against its valid keys, gathered from the pages and packed without padding."""
+
+    def __init__(self, layout: BatchLayout, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                 page_size: int):
+        from vllm_flash_attn import flash_attn_varlen_func
+
+        device = k_cache[0].device
+        self._attn = flash_attn_varlen_func
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.slot_mapping = layout.slot_mapping.to(device)
+        valid = layout.key_valid
+        self.key_index = layout.key_slots[valid].to(device)  # unit-major: valid keys of unit 0, 1, ...
+        key_counts = valid.sum(1)
+        self.cu_k = torch.zeros(key_counts.numel() + 1, dtype=torch.int32)
+        torch.cumsum(key_counts, 0, out=self.cu_k[1:])
+        self.max_k = int(key_counts.max())
+        q_counts = layout.unit_start[1:] - layout.unit_start[:-1]
+        self.max_q = int(q_counts.max())
+        self.cu_q = layout.unit_start.to(device=device, dtype=torch.int32)
+        self.cu_k = self.cu_k.to(device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        keys = k_cache.index_select(0, self.key_index).to(q.dtype)
+        values = v_cache.index_select(0, self.key_index).to(q.dtype)
+        return self._attn(q, keys, values, cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
+                          max_seqlen_q=self.max_q, max_seqlen_k=self.max_k, causal=False)
+
+
+BACKENDS = ("auto", "sdpa", "flash")
+
+
+def flash_available() -> bool:
+    try:
+        import vllm_flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto``: flash on CUDA in fp16/bf16 when vllm-flash-attn is installed, else SDPA."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}; choose one of {list(BACKENDS)}")
+    usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_available()
+    if backend == "flash" and not usable:
+        raise ValueError("attention backend 'flash' needs CUDA, float16/bfloat16 and vllm-flash-attn "
+                         "(pip install 'dllm-serve[gpu]')")
+    return "flash" if backend == "flash" or (backend == "auto" and usable) else "sdpa"
+
+
+def paged_context(backend: str, layout: BatchLayout, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                  page_size: int):
+    """The one function model code's attention goes through: the resolved backend's context."""
+    cls = FlashAttentionContext if backend == "flash" else PagedAttentionContext
+    return cls(layout, k_cache, v_cache, page_size)

@@ -7,6 +7,7 @@ start of every step). ``replicas.async_engine`` runs it in a thread for asyncio 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -41,10 +42,20 @@ class EngineConfig:
     num_pages: int | None = None  # None: enough for max_batch requests of max_model_len
     max_tokens_per_step: int | None = None  # None: max(512, max_batch x block length)
     max_model_len: int | None = None  # None: the model's position limit
-    default_algorithm: str = "low_confidence"
+    default_algorithm: str | None = None  # None: the model's default (replicas.models.defaults)
     default_algorithm_params: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 elsewhere
+    kv_cache: str = "prefix"  # or "none": recompute the whole sequence every step (replicas.runner)
+    attention_backend: str = "auto"  # "sdpa", "flash" (vllm-flash-attn, CUDA) or "auto"
+    lora: str | None = None  # PEFT adapter directory merged into the weights at load
+    model_overrides: dict[str, Any] = field(default_factory=dict)  # block_length, ids, attention, ...
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
     fill_timeout_s: float | None = None  # fixed_fill: None = tuned online, else fixed seconds
     fdfo_fill_hold: bool = True  # fdfo: an under-filled step may wait briefly for arrivals
 
@@ -64,16 +75,21 @@ class Engine:
         budget = config.max_tokens_per_step or max(512, config.max_batch * size)
         if budget < config.max_batch * size:
             raise ValueError(f"max_tokens_per_step {budget} cannot hold {config.max_batch} blocks of {size}")
+        if config.default_algorithm is None:
+            self.config = config = dataclasses.replace(
+                config, default_algorithm=spec.default_algorithm,
+                default_algorithm_params={**spec.default_algorithm_params, **config.default_algorithm_params})
         self.default_algorithm = get_algorithm(config.default_algorithm)
         self.default_algorithm.make_params(config.default_algorithm_params)  # validate early
         device = torch.device(config.device)
-        dtype = DTYPES[config.dtype]
+        dtype = config.torch_dtype
         self.model = model.to(device=device, dtype=dtype).eval()
         self.pool = PagePool(num_pages)
         self.slots = SlotTable(config.max_batch, self.max_pages_per_request, size,
                                pad_id=spec.eos_token_id)
         kv_cache = KVCache(spec.num_layers, num_pages, size, spec.num_kv_heads, spec.head_dim, dtype, device)
-        self.runner = ModelRunner(self.model, self.slots, kv_cache, device)
+        self.runner = ModelRunner(self.model, self.slots, kv_cache, device, config.kv_cache,
+                                  config.attention_backend)
         self.cost_model = OnlineCostModel(config.max_batch)
         self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.slots, config.max_batch,
                                    budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,
@@ -88,7 +104,9 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str = "tiny", config: EngineConfig | None = None) -> "Engine":
         config = config or EngineConfig()
-        return cls(load_model(model, DTYPES[config.dtype], config.device), load_tokenizer(model), config)
+        net = load_model(model, config.torch_dtype, config.device, lora=config.lora,
+                         overrides=config.model_overrides)
+        return cls(net, load_tokenizer(model), config)
 
     # ---- requests ---------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:

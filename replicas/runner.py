@@ -1,4 +1,26 @@
-"""Turns a ScheduledBatch into model inputs and runs the forward."""
+"""Turns a ScheduledBatch into model inputs and runs the forward.
+
+KV policy by attention kind (``ModelSpec.attention``) and ``kv_cache`` mode:
+
+* block-causal, ``prefix`` (default): the scheduler's units as they are; committed pages
+  are never recomputed, and the cache is exact.
+* bidirectional, ``prefix`` (Fast-dLLM prefix cache without the masked suffix): the first
+  step of a block *refreshes* the row: every page of its prompt and committed blocks is
+  recomputed together with the block, all of them attending to all of them, and their KV
+  is written to the pages. The block's later steps feed only the block, which attends to
+  those cached pages and itself. The approximation: during a block's later steps the
+  prefix KV is the one computed when the block was all masks. The prompt chunks the
+  scheduler prefills are dropped (the first block step recomputes them anyway).
+* ``none``: every step refreshes the row (exact for both kinds, and slow).
+
+Future masked blocks are never part of the sequence: a block sees the prompt, the
+committed blocks and itself (LLaDA's reference generate also attends to the masks of all
+later blocks; serving without them keeps a request's work proportional to its progress).
+
+Shifted models (Dream): the logit of a block's first token is the output at the token
+before the block, which is fed only when the row refreshes; it is kept per slot and
+reused for the block's later (cached) steps.
+"""
 
 from __future__ import annotations
 
@@ -7,47 +29,103 @@ import time
 import torch
 from torch import nn
 
-from replicas.attention import BatchLayout, PagedAttentionContext
+from replicas.attention import BatchLayout, paged_context, resolve_backend
 from replicas.batch import ScheduledBatch
 from replicas.kv_cache import KVCache, PagePool
+from replicas.request import Phase
 from replicas.slots import SlotTable
+
+KV_CACHE_MODES = ("prefix", "none")
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, slots: SlotTable, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model: nn.Module, slots: SlotTable, kv_cache: KVCache, device: torch.device,
+                 kv_cache_mode: str = "prefix", attention_backend: str = "auto"):
+        if kv_cache_mode not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache {kv_cache_mode!r}; choose one of {list(KV_CACHE_MODES)}")
+        spec = model.spec
         self.model = model
         self.slots = slots
         self.kv_cache = kv_cache
         self.device = device
-        self.block_length = model.spec.block_length
+        self.block_length = spec.block_length
+        self.bidirectional = spec.bidirectional
+        self.shift_logits = spec.shift_logits
+        self.contiguous_positions = spec.contiguous_positions
+        self.refresh_every_step = kv_cache_mode == "none"
+        self.refreshes = self.refresh_every_step or self.bidirectional or self.shift_logits
+        self.backend = resolve_backend(attention_backend, device, kv_cache.k[0].dtype)
         self._offsets = torch.arange(self.block_length)
+        self._first_logits: torch.Tensor | None = None  # [slots, V]: shifted models' first logit
 
-    def build_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchLayout, torch.Tensor]:
-        """Packed input ids, positions, attention layout and the block tokens' indices."""
+    def _refreshed(self, batch: ScheduledBatch) -> torch.Tensor:
+        """[R] bool over block rows: recompute the row's whole sequence this step."""
+        if not self.refreshes:
+            return torch.zeros(len(batch.block_rows), dtype=torch.bool)
+        return torch.tensor([r.phase is Phase.DENOISE and (self.refresh_every_step or r.block_steps == 0)
+                             for r in batch.block_rows], dtype=torch.bool)
+
+    def _units(self, batch: ScheduledBatch, refreshed: torch.Tensor):
+        """The units to compute: the scheduler's, with refreshed rows expanded to every page
+        up to their block (and prompt chunks dropped where refreshes recompute them)."""
+        segment, count, is_block, scratch = (batch.unit_segment, batch.unit_count,
+                                             batch.unit_is_block, batch.unit_scratch)
+        if not self.refreshes:
+            return batch.unit_row, segment, count, is_block, scratch
+        unit_refresh = torch.zeros_like(is_block)
+        unit_refresh[is_block] = refreshed
+        keep = is_block if (self.bidirectional or self.refresh_every_step) else torch.ones_like(is_block)
+        source = torch.arange(is_block.numel())[keep]
+        width = torch.where(unit_refresh[source], segment[source] + 1, 1)
+        source = source.repeat_interleave(width)
+        starts = torch.cumsum(width, 0) - width
+        within = torch.arange(source.numel()) - starts.repeat_interleave(width)
+        new_segment = torch.where(unit_refresh[source], within, segment[source])
+        own = new_segment == segment[source]
+        slot = batch.row_slots[batch.unit_row[source]]
+        page_count = torch.where(new_segment == self.slots.prompt_pages[slot] - 1,
+                                 self.slots.prompt_tail[slot], self.block_length)
+        new_count = torch.where(own, count[source], page_count)
+        return batch.unit_row[source], new_segment, new_count, is_block[source] & own, scratch[source] & own
+
+    def build_inputs(self, batch: ScheduledBatch, refreshed: torch.Tensor):
+        """Packed input ids, positions, attention layout and the logits' token indices
+        (``[R, L]``; for shifted models the token before each position)."""
         size, slots, offsets = self.block_length, self.slots, self._offsets
-        unit_slot = batch.row_slots[batch.unit_row]
-        segment = batch.unit_segment
+        unit_row, segment, unit_count, unit_is_block, unit_scratch = self._units(batch, refreshed)
+        unit_slot = batch.row_slots[unit_row]
         flat_page = unit_slot * slots.max_pages + segment
-        valid = offsets < batch.unit_count[:, None]  # [U, L]
+        valid = offsets < unit_count[:, None]  # [U, L]
         input_ids = slots.tokens.view(-1, size)[flat_page][valid]
-        positions = (segment[:, None] * size + offsets)[valid]
+        prompt_pages = slots.prompt_pages[unit_slot]
+        positions = segment[:, None] * size + offsets
+        if self.contiguous_positions:  # no gap between the prompt's last token and the blocks
+            positions = positions - ((segment >= prompt_pages) * (size - slots.prompt_tail[unit_slot]))[:, None]
+        positions = positions[valid]
         page = slots.page_table.view(-1)[flat_page]
-        page = torch.where(batch.unit_scratch, PagePool.SCRATCH_PAGE, page)
+        page = torch.where(unit_scratch, PagePool.SCRATCH_PAGE, page)
         slot_mapping = (page[:, None] * size + offsets)[valid]
 
-        unit_start = torch.zeros(batch.unit_count.numel() + 1, dtype=torch.long)
-        torch.cumsum(batch.unit_count, 0, out=unit_start[1:])
-        key_pages = int(segment.max()) + 1
+        unit_start = torch.zeros(unit_count.numel() + 1, dtype=torch.long)
+        torch.cumsum(unit_count, 0, out=unit_start[1:])
+        if self.bidirectional:  # every page of the row up to its active block
+            top = torch.zeros(len(batch.rows), dtype=torch.long).scatter_reduce(
+                0, unit_row, segment, reduce="amax")
+            sees = top[unit_row]
+        else:
+            sees = segment
+        key_pages = int(sees.max()) + 1
         table = slots.page_table[unit_slot, :key_pages]
         key_slots = (table[:, :, None] * size + offsets).view(-1, key_pages * size)
         key_segment = torch.arange(key_pages).repeat_interleave(size)
         key_offset = offsets.repeat(key_pages)
-        prompt_last = slots.prompt_pages[unit_slot, None] - 1
-        prompt_tail = slots.prompt_tail[unit_slot, None]
-        key_valid = (key_segment <= segment[:, None]) & (
-            (key_segment != prompt_last) | (key_offset < prompt_tail))
+        key_valid = (key_segment <= sees[:, None]) & (
+            (key_segment != prompt_pages[:, None] - 1) | (key_offset < slots.prompt_tail[unit_slot, None]))
 
-        logits_index = (unit_start[:-1][batch.unit_is_block][:, None] + offsets).view(-1)
+        logits_index = unit_start[:-1][unit_is_block][:, None] + offsets  # [R, L]
+        if self.shift_logits:  # position i reads the output at i - 1; the first, the token before
+            logits_index = logits_index - 1
+            logits_index[~refreshed, 0] = 0  # not fed this step: replaced by the kept logit
         layout = BatchLayout(unit_start=unit_start, slot_mapping=slot_mapping,
                              key_slots=key_slots, key_valid=key_valid)
         return input_ids, positions, layout, logits_index
@@ -55,12 +133,29 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, float]:
         """Logits ``[R, L, V]`` of the batch's block units, and the forward's seconds."""
-        input_ids, positions, layout, logits_index = self.build_inputs(batch)
+        refreshed = self._refreshed(batch)
+        if not batch.block_rows and self.refreshes and (self.bidirectional or self.refresh_every_step):
+            # prompt chunks only, which the first block step recomputes: nothing to run
+            return torch.empty(0, self.block_length, self.model.spec.vocab_size), 0.0
+        input_ids, positions, layout, logits_index = self.build_inputs(batch, refreshed)
         start = time.perf_counter()
-        context = PagedAttentionContext(layout, self.kv_cache.k, self.kv_cache.v, self.block_length)
+        context = paged_context(self.backend, layout, self.kv_cache.k, self.kv_cache.v, self.block_length)
         logits = self.model(input_ids.to(self.device), positions.to(self.device), context,
-                            logits_index.to(self.device))
+                            logits_index.view(-1).to(self.device))
+        logits = logits.view(-1, self.block_length, logits.shape[-1])
+        if self.shift_logits:
+            logits = self._keep_first_logits(logits, batch, refreshed)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
-        return logits.view(-1, self.block_length, logits.shape[-1]).float().cpu(), elapsed
+        return logits.float().cpu(), elapsed
+
+    def _keep_first_logits(self, logits: torch.Tensor, batch: ScheduledBatch, refreshed: torch.Tensor) -> torch.Tensor:
+        """Store refreshed rows' first-position logits per slot; reuse them for the others."""
+        if self._first_logits is None:
+            self._first_logits = logits.new_zeros(self.slots.num_slots, logits.shape[-1])
+        slots = torch.tensor([r.slot for r in batch.block_rows], device=logits.device)
+        refreshed = refreshed.to(logits.device)
+        self._first_logits[slots[refreshed]] = logits[refreshed, 0]
+        logits[~refreshed, 0] = self._first_logits[slots[~refreshed]]
+        return logits
