@@ -23,6 +23,8 @@ def engine_config(config: AppConfig) -> dict:
         "max_tokens_per_step": replica.max_tokens_per_step, "max_model_len": replica.max_model_len,
         "default_algorithm": config.algorithm.name, "default_algorithm_params": config.algorithm.params,
         "device": replica.device, "dtype": replica.dtype, "fill_timeout_s": replica.fill_timeout_s,
+        "lora": replica.lora, "kv_cache": replica.kv_cache, "attention_backend": replica.attention_backend,
+        "model_overrides": replica.model_overrides,
     }
 
 

@@ -25,13 +25,26 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         help="scheduler mode (default fdfo)")
     parser.add_argument("--max-batch", type=int, default=16, help="rows per step (default 16)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    _model_options(parser)
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    """Loading options shared by `generate` and `up`."""
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="weights and KV dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--lora", metavar="DIR", help="PEFT LoRA adapter merged into the weights at load")
+    parser.add_argument("--kv-cache", choices=["prefix", "none"],
+                        help="'none' recomputes everything every step (exact for LLaDA/Dream, slow)")
+    parser.add_argument("--attention-backend", choices=["auto", "sdpa", "flash"],
+                        help="attention kernel (default auto: vllm-flash-attn on CUDA when installed)")
 
 
 def _engine_config(args):
     from replicas.engine import EngineConfig
 
-    return EngineConfig(mode=args.mode, max_batch=args.max_batch, device=args.device, dtype=args.dtype)
+    options = {k: getattr(args, k) for k in ("dtype", "lora", "kv_cache", "attention_backend")
+               if getattr(args, k) is not None}
+    return EngineConfig(mode=args.mode, max_batch=args.max_batch, device=args.device, **options)
 
 
 def _algorithm_params(args) -> dict:
@@ -266,7 +279,8 @@ _UP_SHORTCUTS = {  # flag dest -> config key
     "model": "model", "port": "port", "metrics_port": "metrics_port", "host": "host",
     "max_batch": "replica.max_batch", "mode": "replica.mode", "algorithm": "algorithm.name",
     "min_replicas": "autoscaling.min_replicas", "max_replicas": "autoscaling.max_replicas",
-    "api_key": "api_key",
+    "api_key": "api_key", "dtype": "replica.dtype", "lora": "replica.lora", "kv_cache": "replica.kv_cache",
+    "attention_backend": "replica.attention_backend",
 }
 
 
@@ -300,7 +314,11 @@ _EXAMPLE_PROMPT = "1.3. ..2. 4... .1.4 " + " ".join(["----"] * 24)
 def cmd_up(args) -> int:
     from cluster.app import deploy, shutdown
 
+    from replicas.models import check_checkpoint
+
     config = up_config(args)
+    replica = config.replica
+    check_checkpoint(config.model, replica.lora, replica.model_overrides)  # before any process starts
     stop = threading.Event()
     print(f"starting dllm-serve: model {config.model_name}, {config.autoscaling.min_replicas}"
           f"-{config.autoscaling.max_replicas} replica(s), mode {config.replica.mode.value}", flush=True)
@@ -416,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int)
     up.add_argument("--metrics-port", type=int)
     up.add_argument("--api-key")
+    _model_options(up)
     up.set_defaults(func=cmd_up)
 
     status = commands.add_parser("status", help="replicas of a running cluster and their stats")

@@ -31,7 +31,17 @@ class ReplicaSettings(_Section):
     max_tokens_per_step: int | None = Field(None, ge=1, description="new-token budget per step (chunked prefill)")
     max_model_len: int | None = Field(None, ge=1, description="longest prompt + output (default: the model's limit)")
     device: str = Field("cpu", description="torch device of each replica ('cpu', 'cuda')")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV dtype")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="weights and KV dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    lora: str | None = Field(None, description="PEFT LoRA adapter directory merged into the weights at load")
+    kv_cache: Literal["prefix", "none"] = Field(
+        "prefix", description="'none' recomputes the whole sequence every step (exact for bidirectional models, slow)")
+    attention_backend: Literal["auto", "sdpa", "flash"] = Field(
+        "auto", description="attention kernel: 'flash' is vllm-flash-attn (CUDA, the gpu extra); auto picks it when usable")
+    model_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="per-model defaults to override: block_length, mask_token_id, eos_token_id, "
+                    "attention (block_causal|bidirectional), default_algorithm, default_algorithm_params")
     num_cpus: float = Field(0.5, gt=0, description="Ray CPUs reserved per replica")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved per replica")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per replica (default: torch's)")

@@ -161,13 +161,17 @@ def save_model(net: nn.Module, path: str | Path) -> None:
     (path / "model.safetensors").chmod(0o644)  # readable by the serving user, like config.json
 
 
+def _check_tokenizer_files(path: Path) -> None:
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise CheckpointError(f"{path} has no tokenizer.json or tokenizer_config.json")
+
+
 def load_tokenizer(model: str | Path):
     """The checkpoint's tokenizer through transformers, from local files only."""
     from transformers import AutoTokenizer
 
     path = resolve_path(model)
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise CheckpointError(f"{path} has no tokenizer.json or tokenizer_config.json")
+    _check_tokenizer_files(path)
     from transformers.utils import logging as hf_logging
 
     # AutoTokenizer also reads config.json and warns that it does not know our model types
@@ -182,3 +186,19 @@ def load_tokenizer(model: str | Path):
 def load_model_spec(model: str | Path, overrides: dict | None = None) -> ModelSpec:
     """The engine-facing facts of a checkpoint (block length, ids, limits) without its weights."""
     return _build(resolve_path(model), overrides).spec
+
+
+def check_checkpoint(model: str | Path, lora: str | Path | None = None, overrides: dict | None = None) -> ModelSpec:
+    """Everything ``load_model`` and ``load_tokenizer`` would find wrong short of reading the
+    weights (config, architecture, overrides, shards, tokenizer and adapter files): a
+    server checks this before it starts any process."""
+    path = resolve_path(model)
+    spec = _build(path, overrides).spec
+    weight_files(path)
+    _check_tokenizer_files(path)
+    if lora:
+        try:
+            read_adapter(lora)
+        except LoraError as exc:
+            raise CheckpointError(str(exc)) from exc
+    return spec
