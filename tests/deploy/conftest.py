@@ -1,0 +1,75 @@
+"""A real `dllm-serve up` scraped by a real Prometheus (Debian's package), under load.
+
+tests/cluster/conftest.py is loaded from its path under a unique module name, as
+tests/loadgen does: every folder's conftest module is otherwise the same `conftest`.
+"""
+
+import importlib.util
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from promql import RULES
+
+_spec = importlib.util.spec_from_file_location(
+    "deploy_cluster_helpers", Path(__file__).resolve().parents[1] / "cluster" / "conftest.py")
+cluster_helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cluster_helpers)
+
+
+def binary(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is not installed: apt-get install -y prometheus (what .ci/run does)"
+    return path
+
+
+def _prometheus_config(dllm_target: str, ray_target: str) -> dict:
+    """Jobs named as in deploy/prometheus (dllm, ray), the committed rules, 1 s scrapes."""
+    return {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": "dllm", "static_configs": [{"targets": [dllm_target]}]},
+                           {"job_name": "ray", "static_configs": [{"targets": [ray_target]}]}],
+    }
+
+
+@pytest.fixture(scope="package")
+def observed(tmp_path_factory):
+    """(cluster, Prometheus base URL): one tiny replica, its metrics and Ray's scraped every second."""
+    tmp = tmp_path_factory.mktemp("observed")
+    ray_port = cluster_helpers.free_port()
+    settings = {"replica": {"max_batch": 16, "torch_threads": 1}, "stats_period_s": 0.25,
+                "ray_metrics_port": ray_port,
+                # small enough that bursts of requests are refused: rejections have data
+                "admission": {"max_step_debt_per_replica": 300}}
+    cluster = cluster_helpers.start_cluster(tmp, settings)
+    prometheus = None
+    try:
+        dllm_target = cluster.metrics_url.removeprefix("http://").removesuffix("/metrics")
+        (tmp / "prometheus.yml").write_text(yaml.safe_dump(_prometheus_config(dllm_target, f"127.0.0.1:{ray_port}")))
+        prom_port = cluster_helpers.free_port()
+        prometheus = subprocess.Popen(
+            [binary("prometheus"), f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{prom_port}"],
+            stdout=open(tmp / "prometheus.log", "w"), stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{prom_port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert prometheus.poll() is None and time.monotonic() < deadline, (tmp / "prometheus.log").read_text()
+            time.sleep(0.5)
+        yield cluster, url
+    finally:
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(timeout=30)
+        cluster_helpers.stop_cluster(cluster.process)
