@@ -133,12 +133,12 @@ def cmd_bench(args) -> int:
     if args.target == "engine":
         from replicas.bench import bench_engine
 
-        result = bench_engine(args.model, num_requests=args.requests or 256, max_batch=args.max_batch,
+        result = bench_engine(args.model, num_requests=args.requests, max_batch=args.max_batch,
                               on_fdfo_run=_calibration_writer(args.calibration, args.max_batch))
     else:
         from loadgen.policy_bench import bench_policies
 
-        result = bench_policies(args.model, num_requests=args.requests or 300, load=args.load, rate=args.rate,
+        result = bench_policies(args.model, num_requests=args.requests, load=args.load, rate=args.rate,
                                 max_batch=args.max_batch, slo_latency_s=args.slo_latency, seed=args.seed,
                                 fill_timeout_s=args.fill_timeout)
     print(json.dumps(result, indent=None if args.json else 2))
@@ -456,21 +456,29 @@ def build_parser() -> argparse.ArgumentParser:
     render.set_defaults(func=cmd_render)
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    bench.add_argument("target", choices=["engine", "policies"],
-                       help="engine: fdfo vs sync vs static tokens/s on one closed workload; "
-                            "policies: static, sync, fixed_fill and fdfo latency and goodput under one Poisson load")
-    bench.add_argument("--model", default="tiny")
-    bench.add_argument("--requests", type=int, help="requests (default 256 for engine, 300 for policies)")
-    bench.add_argument("--max-batch", type=int, default=16)
-    bench.add_argument("--rate", type=float, help="policies: arrivals per second (default: --load x fdfo capacity)")
-    bench.add_argument("--load", type=float, default=0.7, help="policies: offered load as a fraction of fdfo capacity")
-    bench.add_argument("--slo-latency", type=float, default=1.0, help="policies: latency SLO for goodput (s)")
-    bench.add_argument("--fill-timeout", type=float, help="policies: fixed_fill timeout in s (default: tuned online)")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--calibration", metavar="FILE",
-                       help="engine: also write the simulator's calibration (step cost, step counts) here")
-    bench.add_argument("--json", action="store_true", help="one JSON object on one line")
-    bench.set_defaults(func=cmd_bench)
+    targets = bench.add_subparsers(dest="target", required=True)
+    engine = targets.add_parser("engine", help="fdfo vs sync vs static tokens/s on one closed workload")
+    engine.add_argument("--requests", type=int, default=256, help="requests (default 256)")
+    engine.add_argument("--calibration", metavar="FILE",
+                        help="also write the simulator's calibration (step cost, step counts) here")
+    policies = targets.add_parser(
+        "policies", help="static, sync, fixed_fill and fdfo latency and goodput under one Poisson load")
+    policies.add_argument("--requests", type=int, default=300, help="requests (default 300)")
+    policies.add_argument("--rate", type=float, help="arrivals per second (default: --load x fdfo capacity)")
+    policies.add_argument("--load", type=float, default=0.7, help="offered load as a fraction of fdfo capacity")
+    policies.add_argument("--slo-latency", type=float, default=1.0, help="latency SLO for goodput (s)")
+    policies.add_argument("--fill-timeout", type=float, help="fixed_fill timeout in s (default: tuned online)")
+    policies.add_argument("--seed", type=int, default=0)
+    for target in (engine, policies):
+        target.add_argument("--model", default="tiny")
+        target.add_argument("--max-batch", type=int, default=16)
+        target.add_argument("--json", action="store_true", help="one JSON object on one line")
+        target.set_defaults(func=cmd_bench)
+
+    from loadgen.calibrate_cli import add_bench_calibration_parser, add_calibrate_parser
+
+    add_bench_calibration_parser(targets)
+    add_calibrate_parser(commands)
 
     from loadgen.cli import add_loadgen_parser
 

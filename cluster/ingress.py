@@ -38,6 +38,7 @@ class Ingress:
     def __init__(self, replicas: DeploymentHandle, config: dict):
         self.config = AppConfig.model_validate(config)
         self.replicas = replicas.options(stream=True)
+        self.replica_calls = replicas
         self.tokenizer = load_tokenizer(self.config.model)
         self.spec = load_model_spec(self.config.model)
         self.max_model_len = self.config.replica.max_model_len or self.spec.max_positions
@@ -57,6 +58,12 @@ class Ingress:
         self._authorize(authorization)
         return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
                                             "owned_by": "dllm-serve", "created": 0}]}
+
+    @app.get("/v1/dllm/calibration")
+    async def calibration(self, authorization: str | None = Header(None)):
+        """One replica's live calibration for `dllm-serve calibrate` (replicas are alike)."""
+        self._authorize(authorization)
+        return await self.replica_calls.calibration.remote()
 
     @app.post("/v1/completions")
     async def completions(self, body: protocol.CompletionRequest, authorization: str | None = Header(None)):
@@ -223,7 +230,7 @@ class Ingress:
     @staticmethod
     def _dllm_info(chunk: dict) -> dict:
         return {"steps": chunk.get("steps"), "block_steps": chunk.get("block_steps"),
-                "replica": chunk.get("replica")}
+                "replica": chunk.get("replica"), "engine_s": chunk.get("engine_s")}
 
     # ---- cluster view and metrics -----------------------------------------------------------
     def _metrics_actor(self):

@@ -7,10 +7,18 @@ A calibration is one JSON object::
      "max_batch": 16,              # rows per step of the measured engine
      "steps_per_block": {"2": 0.70, "3": 0.12, ...},   # P(a block takes s steps)
      "blocks_per_request": {"2": 0.17, ...},           # P(a request has k blocks)
+     "step_cost_spread": [0.8, 0.9, 1.0, 1.3],   # optional, default [1.0]
+     "request_overhead_s": [0.03, 0.04, 0.06],  # optional, default 0
      "source": "free text: where the numbers come from"}
 
-so one step of a batch of b rows costs ``c0 + c1 * b`` seconds. Distributions are stored
-normalized, keys are positive integers (JSON strings on disk).
+so one step of a batch of b rows costs ``c0 + c1 * b`` seconds times a multiplier drawn
+from ``step_cost_spread`` (equally likely values: how real steps scatter around the fit).
+Distributions are stored normalized, keys are positive integers (JSON strings on disk).
+``request_overhead_s`` (a number or equally likely values) is the time a request spends
+outside the engine (HTTP, proxy, ingress, routing, streaming back), drawn per request and
+added to its simulated latency and TTFB. `dllm-serve bench engine` measures the engine
+alone and leaves both optional fields at their defaults; `dllm-serve calibrate` measures
+them on a live cluster.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from replicas.cost_model import fit_step_cost
+from replicas.cost_model import cost_spread, fit_step_cost
 
 # Measured on the embedded tiny model (low_confidence, fp32, one torch thread on a shared
 # 2-core CPU; closed fdfo batches at max_batch 1..24, 2745 blocks, 400 requests). A
@@ -56,6 +64,20 @@ def _distribution(raw: Mapping, name: str) -> dict[int, float]:
     return {level: w / total for level, w in sorted(out.items()) if w > 0}
 
 
+def _values(raw, name: str, positive: bool) -> list[float]:
+    """A number or a non-empty list of numbers, all finite and > 0 (or >= 0), as a list."""
+    items = raw if isinstance(raw, (list, tuple)) else [raw]
+    try:
+        values = [float(v) for v in items if not isinstance(v, bool)]
+    except (TypeError, ValueError):
+        values = []
+    bound = "> 0" if positive else ">= 0"
+    if (not values or len(values) != len(items) or not all(np.isfinite(values))
+            or any(v <= 0 if positive else v < 0 for v in values)):
+        raise ValueError(f"calibration: {name} must be a number or a non-empty list of numbers {bound}")
+    return values
+
+
 def validate_calibration(raw: Mapping) -> dict:
     """A checked, normalized copy of ``raw``; ``ValueError`` naming the first bad field."""
     if not isinstance(raw, Mapping):
@@ -71,7 +93,9 @@ def validate_calibration(raw: Mapping) -> dict:
         raise ValueError(f"calibration: need c0, c1 >= 0 and c0 + c1 > 0, got c0={c0}, c1={c1}")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"calibration: max_batch must be an integer >= 1, got {max_batch!r}")
-    return {"c0": c0, "c1": c1, "max_batch": max_batch,
+    spread = _values(raw.get("step_cost_spread", [1.0]), "step_cost_spread", positive=True)
+    overhead = _values(raw.get("request_overhead_s", 0.0), "request_overhead_s", positive=False)
+    return {"c0": c0, "c1": c1, "max_batch": max_batch, "step_cost_spread": spread, "request_overhead_s": overhead,
             "steps_per_block": _distribution(raw["steps_per_block"], "steps_per_block"),
             "blocks_per_request": _distribution(raw["blocks_per_request"], "blocks_per_request"),
             "source": str(raw.get("source", ""))}
@@ -81,9 +105,10 @@ def fit_calibration(step_records: Iterable[tuple[int, float]], block_steps: Iter
                     blocks_per_request: Iterable[int], max_batch: int, source: str = "fit") -> dict:
     """A calibration from an engine run: per-step (rows, seconds), steps of every committed
     block, and blocks of every finished request."""
+    step_records = list(step_records)
     c0, c1 = fit_step_cost(step_records)
     return validate_calibration({
-        "c0": c0, "c1": c1, "max_batch": max_batch,
+        "c0": c0, "c1": c1, "max_batch": max_batch, "step_cost_spread": cost_spread(step_records, c0, c1),
         "steps_per_block": Counter(int(s) for s in block_steps),
         "blocks_per_request": Counter(int(k) for k in blocks_per_request),
         "source": source})

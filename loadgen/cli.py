@@ -45,7 +45,7 @@ trace lines: {"timestamp": seconds from the start, "prompt": "...", "max_tokens"
 exit status: 0; 1 when no request completed; 2 on bad input or an unreachable endpoint."""
 
 
-def _positive(kind):
+def positive_number(kind):
     def parse(text: str):
         try:
             value = kind(text)
@@ -57,8 +57,8 @@ def _positive(kind):
     return parse
 
 
-def _rates(text: str) -> list[float]:
-    return [_positive(float)(item) for item in text.split(",") if item.strip()]
+def rate_list(text: str) -> list[float]:
+    return [positive_number(float)(item) for item in text.split(",") if item.strip()]
 
 
 def _json_object(text: str) -> dict:
@@ -78,17 +78,17 @@ def add_loadgen_parser(commands) -> argparse.ArgumentParser:
         description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     load = parser.add_argument_group("arrivals (one of --rate, --sweep, --trace)")
     kind = load.add_mutually_exclusive_group(required=True)
-    kind.add_argument("--rate", type=_positive(float), metavar="R", help="Poisson arrivals at R requests per second")
-    kind.add_argument("--sweep", type=_rates, metavar="R1,R2,...",
+    kind.add_argument("--rate", type=positive_number(float), metavar="R", help="Poisson arrivals at R requests per second")
+    kind.add_argument("--sweep", type=rate_list, metavar="R1,R2,...",
                       help="run each rate in turn (same bounds each) and print one row per rate")
     kind.add_argument("--trace", metavar="FILE.jsonl", help="replay the arrivals of a JSONL trace (see below)")
-    load.add_argument("--duration", type=_positive(float), metavar="S",
+    load.add_argument("--duration", type=positive_number(float), metavar="S",
                       help="send for S seconds (a trace: only its first S seconds)")
-    load.add_argument("--requests", type=_positive(int), metavar="N",
+    load.add_argument("--requests", type=positive_number(int), metavar="N",
                       help="send N requests (per rate); --rate/--sweep need --duration or --requests")
-    load.add_argument("--max-requests", type=_positive(int), default=MAX_REQUESTS, metavar="N",
+    load.add_argument("--max-requests", type=positive_number(int), default=MAX_REQUESTS, metavar="N",
                       help=f"hard cap on requests per run, whatever the other bounds (default {MAX_REQUESTS})")
-    load.add_argument("--timeout", type=_positive(float), default=120.0, metavar="S",
+    load.add_argument("--timeout", type=positive_number(float), default=120.0, metavar="S",
                       help="give up on a request after S seconds; it counts as an error (default 120)")
     load.add_argument("--seed", type=int, default=0, help="seed of the arrival times and prompts (default 0)")
 
@@ -102,7 +102,7 @@ def add_loadgen_parser(commands) -> argparse.ArgumentParser:
     body.add_argument("--prompt", metavar="TEXT",
                       help="send this prompt every time (default: seeded prompts of the tiny model's task, "
                            "drawn like its held-out set)")
-    body.add_argument("--max-tokens", type=_positive(int), default=TINY_MAX_TOKENS, metavar="N",
+    body.add_argument("--max-tokens", type=positive_number(int), default=TINY_MAX_TOKENS, metavar="N",
                       help=f"max_tokens of each request (default {TINY_MAX_TOKENS}, room for the tiny task's "
                            "longest answer); a trace line's max_tokens wins")
     body.add_argument("--algorithm", help="dLLM extension: the denoise algorithm of every request "
@@ -111,9 +111,9 @@ def add_loadgen_parser(commands) -> argparse.ArgumentParser:
                       help='more body fields for every request, e.g. \'{"algorithm_params": {"steps": 16}}\'')
 
     out = parser.add_argument_group("report")
-    out.add_argument("--slo-latency", type=_positive(float), metavar="S",
+    out.add_argument("--slo-latency", type=positive_number(float), metavar="S",
                      help="goodput counts completed requests with latency <= S seconds")
-    out.add_argument("--slo-ttfb", type=_positive(float), metavar="S",
+    out.add_argument("--slo-ttfb", type=positive_number(float), metavar="S",
                      help="goodput counts completed requests with TTFB <= S seconds")
     out.add_argument("--json", action="store_true", help="print the report as one JSON object")
     out.add_argument("--records", action="store_true", help="with --json: include every request's record")

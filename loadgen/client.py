@@ -122,6 +122,7 @@ async def _read_stream(response: httpx.Response, record: Record, sent: float) ->
         dllm = event.get("dllm") or {}
         record.steps = dllm.get("steps", record.steps)
         record.replica = dllm.get("replica", record.replica)
+        record.engine_s = dllm.get("engine_s", record.engine_s)
     else:
         record.error = "the stream ended before data: [DONE]"
         return

@@ -43,6 +43,7 @@ class Record:
     tokens_from: str | None = None
     steps: int | None = None
     replica: str | None = None
+    engine_s: float | None = None  # the server's time in its engine (dllm-serve reports it)
     retry_after_s: float | None = None
     error: str | None = None
 

@@ -20,7 +20,9 @@ quantile`` row-steps at admission, released as its rows advance and in full when
 ends; admission refuses when the cluster's outstanding charge would pass
 ``max_step_debt`` per replica (an idle cluster always admits); routing sends to the
 replica with the least step debt (all replicas drain at the same rate, so least debt is
-least predicted drain time), ties in turn. Simplifications: prefill is fused with the
+least predicted drain time), ties in turn. Each step's cost is multiplied by a draw from
+the calibration's ``step_cost_spread``, and each request's latency and TTFB get a draw
+from its ``request_overhead_s`` (the request path outside the engine). Simplifications: prefill is fused with the
 first block's step, a replica's debt drops when a step or round starts, arrival
 knowledge is exact (fdfo hold and analytic τ use the true per-replica rate).
 """
@@ -50,6 +52,7 @@ class Workload:
     arrival: np.ndarray  # float [n], sorted
     blocks: np.ndarray  # int [n]
     steps: np.ndarray  # int [n, max blocks]; steps[i, j] for j < blocks[i]
+    seed: int = 0  # of the draws made while simulating (step-cost spread, request overhead)
 
     @property
     def rate(self) -> float:
@@ -73,7 +76,7 @@ def trace_workload(calibration: Mapping, arrival_times, seed: int = 0) -> Worklo
     rng = np.random.default_rng([seed, 1])
     blocks = _draw(rng, cal["blocks_per_request"], len(arrival))
     steps = _draw(rng, cal["steps_per_block"], (len(arrival), max(cal["blocks_per_request"])))
-    return Workload(arrival, blocks, steps)
+    return Workload(arrival, blocks, steps, seed)
 
 
 def poisson_workload(calibration: Mapping, rate: float, requests: int, seed: int = 0) -> Workload:
@@ -108,8 +111,9 @@ class _Replica:
     """One engine: a FIFO queue and rows ``[request, block, steps left, state]``."""
 
     def __init__(self, ledger: _Ledger, policy: str, max_batch: int, c0: float, c1: float,
-                 fill_timeout: float, hold_rate: float | None):
+                 fill_timeout: float, hold_rate: float | None, spread: "_Spread"):
         self.ledger = ledger
+        self.spread = spread
         self.policy = policy
         self.max_batch = max_batch
         self.c0, self.c1 = c0, c1
@@ -192,13 +196,14 @@ class _Replica:
                 count = max(1, math.ceil((next_arrival - now) / step))
         else:
             count = 1
+        ends = self.spread.step_ends(now, step, count)
         charge, released = ledger.charge, 0.0
         for row in active:
             req, block, left = row[0], row[1], row[2]
             taken = left if left < count else count
             row[2] = left - taken
             if left == taken:
-                done_at = now + taken * step
+                done_at = ends[taken - 1]
                 if block == 0:
                     ledger.ttfb[req] = done_at - ledger.arrival[req]
                 if block == ledger.blocks[req] - 1:
@@ -212,8 +217,24 @@ class _Replica:
             released += taken
         self.debt -= released
         ledger.outstanding -= released
-        self.free_at = now + count * step
+        self.free_at = ends[count - 1]
         return self.free_at
+
+
+class _Spread:
+    """End times of consecutive steps whose costs scatter around the fit: each step's cost
+    is multiplied by an equally likely value of the calibration's ``step_cost_spread``."""
+
+    def __init__(self, multipliers: list[float], rng: np.random.Generator):
+        self.multipliers = np.asarray(multipliers, dtype=float)
+        self.rng = rng
+
+    def step_ends(self, now: float, step: float, count: int) -> list[float]:
+        if len(self.multipliers) == 1:
+            cost = step * float(self.multipliers[0])
+            return [now + k * cost for k in range(1, count + 1)]
+        drawn = self.multipliers[self.rng.integers(len(self.multipliers), size=count)]
+        return (now + step * np.cumsum(drawn)).tolist()
 
 
 # ---- the cluster ---------------------------------------------------------------------------
@@ -265,7 +286,9 @@ def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: in
         tau = optimal_fill_timeout(rate, *args) if fill_timeout is None else fill_timeout
     hold_rate = rate if policy == "fdfo" and fdfo_fill_hold else None
     ledger = _Ledger(workload, admission_cost(cal, cost_quantile))
-    fleet = [_Replica(ledger, policy, cal["max_batch"], cal["c0"], cal["c1"], tau or 0.0, hold_rate)
+    rng = np.random.default_rng([workload.seed, 2])
+    spread = _Spread(cal["step_cost_spread"], rng)
+    fleet = [_Replica(ledger, policy, cal["max_batch"], cal["c0"], cal["c1"], tau or 0.0, hold_rate, spread)
              for _ in range(replicas)]
     limit = math.inf if max_step_debt is None else max_step_debt * replicas
     wake = [math.inf] * replicas  # when each replica acts next
@@ -296,8 +319,9 @@ def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: in
             heapq.heappush(events, (t, target))
     act_before(math.inf)
     replica = np.asarray(ledger.replica)
-    return SimResult(workload.arrival, np.asarray(ledger.finish) - workload.arrival, np.asarray(ledger.ttfb),
-                     replica < 0, replica, tau)
+    overhead = rng.choice(cal["request_overhead_s"], size=len(workload.arrival))
+    return SimResult(workload.arrival, np.asarray(ledger.finish) - workload.arrival + overhead,
+                     np.asarray(ledger.ttfb) + overhead, replica < 0, replica, tau)
 
 
 # ---- summaries -------------------------------------------------------------------------------

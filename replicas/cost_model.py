@@ -43,6 +43,19 @@ def fit_step_cost(step_records: Iterable[tuple[int, float]]) -> tuple[float, flo
     return float(c0), float(c1)
 
 
+def cost_spread(step_records: Iterable[tuple[int, float]], c0: float, c1: float,
+                points: int = 100) -> list[float]:
+    """The measured step times divided by the fit ``c0 + c1 * b``, as ``points`` equally
+    likely multipliers (the midpoint quantiles): how much real steps scatter around the
+    fitted cost, e.g. when other processes take the CPU for a while."""
+    data = np.asarray(list(step_records), dtype=float).reshape(-1, 2)
+    fitted = c0 + c1 * data[:, 0]
+    if len(data) == 0 or np.any(fitted <= 0):
+        raise ValueError("cost spread: need step records and a positive fitted cost")
+    ratios = data[:, 1] / fitted
+    return [round(float(r), 4) for r in np.quantile(ratios, (np.arange(points) + 0.5) / points)]
+
+
 class OnlineCostModel:
     def __init__(self, max_batch: int, window: int = 512):
         self.max_batch = max_batch

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from replicas.async_engine import AsyncEngine
+from replicas.cost_model import cost_spread, fit_step_cost
 from replicas.engine import Engine, EngineConfig
 from replicas.monitor import ReplicaMonitor
 from replicas.request import FinishReason, RequestError, SamplingParams
@@ -78,7 +79,7 @@ class EngineReplica:
             yield {"error": str(exc), "error_kind": "invalid_request", "finished": True}
             return
         self.monitor.request_started(request_id, cost)
-        reason, tokens = FinishReason.ABORT.value, 0
+        reason, tokens, blocks = FinishReason.ABORT.value, 0, 0
         try:
             async for output in stream:
                 self.monitor.request_progressed(request_id, output.num_steps)
@@ -87,6 +88,7 @@ class EngineReplica:
                 tokens = output.num_output_tokens
                 if output.finished:
                     reason = output.finish_reason.value
+                    blocks = 0 if output.error else len(output.block_steps)
                 yield {
                     "text": output.new_text,
                     "num_new_tokens": len(output.new_token_ids),
@@ -98,12 +100,13 @@ class EngineReplica:
                     "steps": output.num_steps,
                     "block_steps": output.block_steps,
                     "replica": self.replica_id,
+                    "engine_s": time.monotonic() - start,
                 }
         except RequestError as exc:
             reason = FinishReason.ERROR.value
             yield {"error": str(exc), "error_kind": "invalid_request", "finished": True}
         finally:
-            self.monitor.request_finished(request_id, reason, time.monotonic() - start, first_block, tokens)
+            self.monitor.request_finished(request_id, reason, time.monotonic() - start, first_block, tokens, blocks)
 
     # ---- Serve hooks -------------------------------------------------------------------
     async def record_routing_stats(self) -> dict:
@@ -133,6 +136,19 @@ class EngineReplica:
             "requests_finished": totals.requests_finished, "requests_aborted": totals.requests_aborted,
             "requests_failed": totals.requests_failed, "compute_ratio": totals.compute_ratio,
         }
+
+    async def calibration(self) -> dict:
+        """The simulator's calibration measured on this replica's live traffic (see
+        ``ReplicaMonitor.calibration_data``); the request path's overhead is the client's
+        to measure (each chunk carries ``engine_s``)."""
+        data = self.monitor.calibration_data()
+        periods = data["step_periods"]
+        c0, c1 = fit_step_cost(periods) if periods else (None, None)
+        return {"c0": c0, "c1": c1, "max_batch": self.engine.config.max_batch,
+                "step_cost_spread": cost_spread(periods, c0, c1) if periods else [1.0],
+                "steps_per_block": data["steps_per_block"], "blocks_per_request": data["blocks_per_request"],
+                "source": f"live replica {self.replica_id}: {len(periods)} busy steps, "
+                          f"{sum(data['blocks_per_request'].values())} requests"}
 
     def __del__(self):
         """Serve's graceful shutdown: in-flight requests are done; stop the threads."""

@@ -8,6 +8,11 @@ replica's event loop. ``report()`` hands out what accumulated since the last rep
 Step debt is the work the replica still owes, in row-steps (one row advanced by one
 step): for every live request, its admission cost minus the steps it already took.
 Dividing it by the measured row-steps per second predicts when the replica drains.
+
+``calibration_data()`` is what the capacity simulator needs from a live replica: the
+wall-clock period of every step taken back to back (so it includes the time the engine
+thread loses to the replica's other threads, not only the step itself), steps per
+block, and blocks per finished request.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from replicas.stats import StepStats
 
 class ReplicaMonitor:
     WINDOW_STEPS = 256  # steps in the drain-rate window
+    CALIBRATION_STEPS = 4096  # busy step periods kept for calibration
 
     def __init__(self, initial_row_steps_per_s: float, max_report_samples: int = 4096):
         self.initial_rate = initial_row_steps_per_s
@@ -30,6 +36,9 @@ class ReplicaMonitor:
         self._debt: dict[str, tuple[float, int]] = {}  # request id -> (cost, steps taken)
         self._gauges = {"waiting": 0, "running": 0, "free_pages": 0, "total_pages": 0}
         self._steps_per_block: Counter = Counter()  # since start, for admission quantiles
+        self._blocks_per_request: Counter = Counter()
+        self._busy_periods: deque[tuple[int, float]] = deque(maxlen=self.CALIBRATION_STEPS)
+        self._last_step: tuple[float, bool] | None = None  # (end time, work left after it)
         self._reset_report()
 
     def _reset_report(self) -> None:
@@ -48,7 +57,11 @@ class ReplicaMonitor:
 
     # ---- inputs ---------------------------------------------------------------------
     def on_step(self, stats: StepStats) -> None:
+        now = time.monotonic()
         with self._lock:
+            if self._last_step is not None and self._last_step[1]:
+                self._busy_periods.append((stats.batch_size, now - self._last_step[0]))
+            self._last_step = (now, stats.running > 0)
             self._window.append((stats.active_rows, stats.step_s))
             self._steps += 1
             self._forward_s += stats.forward_s
@@ -76,11 +89,13 @@ class ReplicaMonitor:
             self._debt[request_id] = (cost, steps)
 
     def request_finished(self, request_id: str, reason: str, latency_s: float,
-                         time_to_first_block_s: float | None, output_tokens: int) -> None:
+                         time_to_first_block_s: float | None, output_tokens: int, blocks: int = 0) -> None:
         with self._lock:
             self._debt.pop(request_id, None)
             self._finished[reason] += 1
             self._output_tokens += output_tokens
+            if blocks:
+                self._blocks_per_request[blocks] += 1
             if len(self._latencies) < self.max_samples:
                 self._latencies.append(latency_s)
                 if time_to_first_block_s is not None:
@@ -112,6 +127,13 @@ class ReplicaMonitor:
     def autoscaling_stats(self) -> dict[str, float]:
         with self._lock:
             return {"step_debt": self._step_debt(), "row_steps_per_s": self._row_steps_per_s()}
+
+    def calibration_data(self) -> dict:
+        """Busy step periods as (rows, seconds), steps per block, blocks per finished request."""
+        with self._lock:
+            return {"step_periods": list(self._busy_periods),
+                    "steps_per_block": dict(self._steps_per_block),
+                    "blocks_per_request": dict(self._blocks_per_request)}
 
     def report(self) -> dict:
         """Everything since the last report, plus current gauges and routing stats."""

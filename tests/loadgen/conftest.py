@@ -15,9 +15,10 @@ cluster_helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cluster_helpers)
 
 
-@pytest.fixture(params=[1, 2], ids=["1-replica", "2-replicas"])
-def tiny_cluster(request, tmp_path):
-    """The tiny model on ``request.param`` fixed replicas, one torch thread each; stopped after the test."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-replica", "2-replicas"])
+def tiny_cluster(request, tmp_path_factory):
+    """The tiny model on ``request.param`` fixed replicas, one torch thread each; stopped after the module."""
+    tmp_path = tmp_path_factory.mktemp(f"cluster{request.param}")
     settings = {
         "replica": {"max_batch": 16, "torch_threads": 1},
         "autoscaling": {"min_replicas": request.param, "max_replicas": request.param},

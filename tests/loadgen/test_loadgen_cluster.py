@@ -4,9 +4,11 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from loadgen.arrivals import poisson_times
+from loadgen.calibration import load_calibration
 
 RATE, DURATION_S, SEED = 8.0, 6.0, 3
 
@@ -33,6 +35,7 @@ def test_loadgen_report_is_consistent(tiny_cluster, tmp_path):
         assert 0 < values["p50"] <= values["p90"] <= values["p99"] <= values["max"], (key, values)
     done = [r for r in records if r["status"] == "ok"]
     assert all(0 < r["ttfb_s"] <= r["latency_s"] and r["output_tokens"] > 0 and r["steps"] > 0 for r in done)
+    assert all(0 < r["engine_s"] < r["latency_s"] for r in done)
     assert report["ttfb_s"]["p50"] <= report["latency_s"]["p50"]
 
     duration = max(r["sent_s"] + r["latency_s"] for r in done) - min(r["sent_s"] for r in records)
@@ -45,3 +48,44 @@ def test_loadgen_report_is_consistent(tiny_cluster, tmp_path):
 
     assert "\r" in stderr and f"sent {report['sent']}/{report['sent']}" in stderr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _cli(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_calibrate_measures_the_live_cluster(tiny_cluster, tmp_path):
+    out = tmp_path / "live.json"
+    run = _cli("calibrate", "--url", tiny_cluster.base_url, "--rate", "10", "--duration", "4", "--seed", "1",
+               "--out", str(out), "--quiet")
+    assert run.returncode == 0, run.stderr[-3000:]
+    cal = load_calibration(out)
+    assert cal["c0"] + cal["c1"] * cal["max_batch"] > 0 and cal["max_batch"] == 16
+    assert len(cal["step_cost_spread"]) == 100 and np.mean(cal["step_cost_spread"]) == pytest.approx(1, rel=0.5)
+    overheads = cal["request_overhead_s"]
+    assert len(overheads) == 100 and 0 <= min(overheads) <= max(overheads) < 5
+    assert set(cal["blocks_per_request"]) <= set(range(2, 8))  # 1-6 grids + the EOS block
+    assert min(cal["steps_per_block"]) >= 2  # a block is unmasked, then its KV written
+    assert "requests at 10/s" in cal["source"] and "live replica" in cal["source"]
+
+
+def test_bench_calibration_prints_both_sides(tiny_cluster, request):
+    replicas = request.node.callspec.params["tiny_cluster"]
+    run = _cli("bench", "calibration", "--url", tiny_cluster.base_url, "--rate", "10", "--duration", "3",
+               "--rates", "4,10", "--rate-duration", "3", "--replicas", str(replicas),
+               "--json", "--quiet")
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert [row["rate"] for row in result["rows"]] == [4.0, 10.0]
+    for row in result["rows"]:
+        assert row["live_completed"] > 0 and row["live_refused"] == 0
+        for q in (50, 99):
+            assert row[f"sim_over_live_p{q}"] == pytest.approx(row[f"sim_p{q}_s"] / row[f"live_p{q}_s"], abs=1e-3)
+    assert result["holds"] == all(abs(row[f"sim_over_live_p{q}"] - 1) <= 0.2 for row in result["rows"]
+                                  for q in (50, 99))
+
+
+def test_calibrate_reports_an_unreachable_cluster(closed_url, tmp_path):
+    run = _cli("calibrate", "--url", closed_url, "--duration", "1", "--out", str(tmp_path / "x.json"), "--quiet")
+    assert run.returncode == 2 and "dllm-serve calibrate: error:" in run.stderr and "Traceback" not in run.stderr

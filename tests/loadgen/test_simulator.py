@@ -128,6 +128,31 @@ def test_fit_recovers_step_cost_and_distributions():
     assert cal["blocks_per_request"] == {1: 0.25, 2: 0.5, 3: 0.25}
 
 
+def test_fit_measures_how_steps_scatter_around_the_fit():
+    rng = np.random.default_rng(1)
+    rows = rng.integers(1, 17, 4000)
+    factor = np.where(rng.random(4000) < 0.1, 3.0, 1.0)  # one step in ten takes three times as long
+    records = list(zip(rows.tolist(), ((0.004 + 0.0005 * rows) * factor).tolist()))
+    c0, c1 = fit_step_cost(records)
+    spread = np.asarray(fit_calibration(records, [2], [1], max_batch=16)["step_cost_spread"])
+    assert len(spread) == 100 and np.all(np.diff(spread) >= 0)
+    assert spread[-5:] / spread[:5].mean() == pytest.approx(np.full(5, 3.0), rel=0.05)
+    assert np.mean(spread * (c0 + c1 * 8)) == pytest.approx((0.004 + 0.0005 * 8) * 1.2, rel=0.05)
+
+
+def test_request_overhead_and_step_spread_enter_the_simulation():
+    work = poisson_workload(CAL, 0.5 * throughput_bound(CAL), 2000, seed=5)
+    plain = simulate(CAL, work, "fdfo")
+    shifted = simulate({**CAL, "request_overhead_s": 0.25}, work, "fdfo")
+    assert np.allclose(shifted.latency, plain.latency + 0.25) and np.allclose(shifted.ttfb, plain.ttfb + 0.25)
+    drawn = simulate({**CAL, "request_overhead_s": [0.0, 1.0]}, work, "fdfo")
+    assert set(np.round(drawn.latency - plain.latency, 9)) == {0.0, 1.0}
+    jittery = simulate({**CAL, "step_cost_spread": [0.6] * 9 + [4.6]}, work, "fdfo")  # mean 1, rare slow steps
+    assert np.percentile(jittery.latency, 99) > 1.2 * np.percentile(plain.latency, 99)
+    assert np.array_equal(jittery.latency, simulate({**CAL, "step_cost_spread": [0.6] * 9 + [4.6]}, work,
+                                                    "fdfo").latency)  # seeded
+
+
 def test_fit_clips_negative_coefficients():
     assert fit_step_cost([(1, 0.5), (8, 0.1)]) == (pytest.approx(0.3), 0.0)  # cost falling with rows
     c0, c1 = fit_step_cost([(1, 0.1), (2, 0.3), (3, 0.5)])  # line through c0 < 0
@@ -139,7 +164,8 @@ def test_calibration_round_trip(tmp_path):
     path = tmp_path / "cal.json"
     save_calibration(CAL, path)
     on_disk = json.loads(path.read_text())
-    assert set(on_disk) == {"c0", "c1", "max_batch", "steps_per_block", "blocks_per_request", "source"}
+    assert set(on_disk) == {"c0", "c1", "max_batch", "steps_per_block", "blocks_per_request", "source",
+                            "step_cost_spread", "request_overhead_s"}
     loaded = load_calibration(path)
     assert loaded["c0"] == CAL["c0"] and loaded["steps_per_block"].keys() == CAL["steps_per_block"].keys()
 
@@ -149,7 +175,11 @@ def test_calibration_round_trip(tmp_path):
     '{"c0": -1, "c1": 0, "max_batch": 4, "steps_per_block": {"2": 1}, "blocks_per_request": {"1": 1}}',
     '{"c0": 0.1, "c1": 0, "max_batch": 0, "steps_per_block": {"2": 1}, "blocks_per_request": {"1": 1}}',
     '{"c0": 0.1, "c1": 0, "max_batch": 4, "steps_per_block": {"0": 1}, "blocks_per_request": {"1": 1}}',
-    '{"c0": 0.1, "c1": 0, "max_batch": 4, "steps_per_block": {}, "blocks_per_request": {"1": 1}}'])
+    '{"c0": 0.1, "c1": 0, "max_batch": 4, "steps_per_block": {}, "blocks_per_request": {"1": 1}}',
+    '{"c0": 0.1, "c1": 0, "max_batch": 4, "steps_per_block": {"2": 1}, "blocks_per_request": {"1": 1}, '
+    '"step_cost_spread": [1, 0]}',
+    '{"c0": 0.1, "c1": 0, "max_batch": 4, "steps_per_block": {"2": 1}, "blocks_per_request": {"1": 1}, '
+    '"request_overhead_s": "fast"}'])
 def test_bad_calibration_files_raise_value_error(tmp_path, text):
     path = tmp_path / "bad.json"
     path.write_text(text)
