@@ -5,7 +5,6 @@ tests/loadgen does: every folder's conftest module is otherwise the same `confte
 """
 
 import importlib.util
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -14,18 +13,12 @@ import httpx
 import pytest
 import yaml
 
-from promql import RULES
+from observability import RULES, binary
 
 _spec = importlib.util.spec_from_file_location(
     "deploy_cluster_helpers", Path(__file__).resolve().parents[1] / "cluster" / "conftest.py")
 cluster_helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cluster_helpers)
-
-
-def binary(name: str) -> str:
-    path = shutil.which(name)
-    assert path, f"{name} is not installed: apt-get install -y prometheus (what .ci/run does)"
-    return path
 
 
 def _prometheus_config(dllm_target: str, ray_target: str) -> dict:

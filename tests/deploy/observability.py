@@ -1,8 +1,9 @@
-"""PromQL helpers for the deploy tests: the queries of the Grafana dashboard and the alert
-rules, Grafana's variables filled in, and the metric names an expression reads."""
+"""Helpers for the deploy tests: the queries of the Grafana dashboard and the alert rules,
+Grafana's variables filled in, the metric names an expression reads, Prometheus' binaries."""
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import yaml
@@ -46,3 +47,10 @@ def metric_names(expr: str) -> set[str]:
     text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
     names = re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\b(?!\s*\()", text)
     return {n for n in names if n not in _KEYWORDS and not re.fullmatch(r"\d.*|e\d+", n)}
+
+
+def binary(name: str) -> str:
+    """Path of ``prometheus`` or ``promtool`` (Debian's package, installed by .ci/run)."""
+    path = shutil.which(name)
+    assert path, f"{name} is not installed: apt-get install -y prometheus (what .ci/run does)"
+    return path

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from cluster.cli import _EXAMPLE_PROMPT
-from promql import alert_exprs, dashboard_targets, dashboard_variable_queries, fill_variables
+from observability import alert_exprs, dashboard_targets, dashboard_variable_queries, fill_variables
 
 pytestmark = pytest.mark.timeout(420)
 
