@@ -311,6 +311,19 @@ def up_config(args):
 _EXAMPLE_PROMPT = "1.3. ..2. 4... .1.4 " + " ".join(["----"] * 24)
 
 
+def _check_model_default_algorithm(config, spec) -> None:
+    """``algorithm.params`` without ``algorithm.name`` apply to the model's own default."""
+    from algorithms import AlgorithmError, get_algorithm
+    from cluster.config import ConfigError
+
+    if config.algorithm.name is None:
+        try:
+            get_algorithm(spec.default_algorithm).make_params(
+                {**spec.default_algorithm_params, **config.algorithm.params})
+        except AlgorithmError as exc:
+            raise ConfigError(f"algorithm.params (for the model's default {spec.default_algorithm}): {exc}") from None
+
+
 def cmd_up(args) -> int:
     from cluster.app import deploy, shutdown
 
@@ -318,7 +331,8 @@ def cmd_up(args) -> int:
 
     config = up_config(args)
     replica = config.replica
-    check_checkpoint(config.model, replica.lora, replica.model_overrides)  # before any process starts
+    spec = check_checkpoint(config.model, replica.lora, replica.model_overrides)  # before any process starts
+    _check_model_default_algorithm(config, spec)
     stop = threading.Event()
     print(f"starting dllm-serve: model {config.model_name}, {config.autoscaling.min_replicas}"
           f"-{config.autoscaling.max_replicas} replica(s), mode {config.replica.mode.value}", flush=True)

@@ -49,7 +49,8 @@ class ReplicaSettings(_Section):
 
 
 class AlgorithmSettings(_Section):
-    name: str = Field("low_confidence", description="default denoise algorithm")
+    name: str | None = Field(None, description="default denoise algorithm (default: the model's own, "
+                                               "from the per-model defaults table)")
     params: dict[str, Any] = Field(default_factory=dict, description="its default parameters, e.g. {threshold: 0.9}")
 
 
@@ -120,10 +121,11 @@ class AppConfig(_Section):
             raise ValueError("port and metrics_port must differ")
         from algorithms import AlgorithmError, get_algorithm
 
-        try:
-            get_algorithm(self.algorithm.name).make_params(self.algorithm.params)
-        except AlgorithmError as exc:
-            raise ValueError(f"algorithm: {exc}") from exc
+        if self.algorithm.name is not None:  # else checked against the model's default at start
+            try:
+                get_algorithm(self.algorithm.name).make_params(self.algorithm.params)
+            except AlgorithmError as exc:
+                raise ValueError(f"algorithm: {exc}") from exc
         return self
 
     @property

@@ -40,7 +40,8 @@ class Ingress:
         self.replicas = replicas.options(stream=True)
         self.replica_calls = replicas
         self.tokenizer = load_tokenizer(self.config.model)
-        self.spec = load_model_spec(self.config.model)
+        self.spec = load_model_spec(self.config.model, self.config.replica.model_overrides)
+        self.default_algorithm = self._default_algorithm()
         self.max_model_len = self.config.replica.max_model_len or self.spec.max_positions
         self.admission = AdmissionController(self.config.admission, self.config.slo.latency_s,
                                              self.config.autoscaling.min_replicas)
@@ -127,14 +128,25 @@ class Ingress:
             "cost": self.admission.cost(-(-max_tokens // block), worst),
         }
 
+    def _default_algorithm(self) -> tuple[str, dict]:
+        """The configured algorithm, else the model's own with the configured params on top
+        (as the engine resolves it); checked here so a bad default fails at start."""
+        named = self.config.algorithm
+        if named.name is not None:
+            name, params = named.name, dict(named.params)
+        else:
+            name, params = self.spec.default_algorithm, {**self.spec.default_algorithm_params, **named.params}
+        get_algorithm(name).make_params(params)
+        return name, params
+
     def _algorithm(self, body: protocol.SamplingFields) -> tuple[str, dict]:
-        defaults = self.config.algorithm
-        name = body.algorithm or defaults.name
+        default_name, default_params = self.default_algorithm
+        name = body.algorithm or default_name
         try:
             algorithm = get_algorithm(name)
         except AlgorithmError as exc:
             raise bad_request(str(exc), param="algorithm")
-        params = dict(defaults.params) if name == defaults.name else {}
+        params = dict(default_params) if name == default_name else {}
         known = set(algorithm.params_class.__dataclass_fields__)
         for field in _SAMPLING_FIELDS:
             value = getattr(body, field)

@@ -29,7 +29,7 @@ def test_yaml_then_overrides(tmp_path):
     ("", {"nonsense": 1}, "nonsense"),
     ("", {"autoscaling.min_replicas": 3, "autoscaling.max_replicas": 2}, "max_replicas"),
     ("", {"algorithm.name": "nope"}, "unknown algorithm"),
-    ("", {"algorithm.params": {"threshold": 7}}, "threshold"),
+    ("", {"algorithm.name": "low_confidence", "algorithm.params": {"threshold": 7}}, "threshold"),
     ("", {"port": 9400}, "differ"),
     ("a: [", {}, "not valid YAML"),
     ("- 1\n", {}, "mapping"),
@@ -51,6 +51,13 @@ def test_cli_reports_bad_config_without_traceback():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "replica.max_batch" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_up_checks_params_of_the_models_default_algorithm_before_starting(capsys):
+    from cluster.cli import main
+
+    assert main(["up", "--set", "algorithm.params.nope=1"]) == 2  # no algorithm.name: the model's own
+    assert "the model's default low_confidence" in capsys.readouterr().err
 
 
 def test_up_help_documents_every_setting():
