@@ -122,8 +122,9 @@ def _calibration_writer(path: str | None, max_batch: int):
 
     def write(steps, outputs) -> None:
         calibration = fit_calibration(
-            [(s.batch_size, s.step_s) for s in steps], [n for o in outputs for n in o.block_steps],
-            [len(o.block_steps) for o in outputs], max_batch, source="dllm-serve bench engine")
+            [(s.batch_size, s.prompt_units, s.step_s) for s in steps], [n for o in outputs for n in o.block_steps],
+            [len(o.block_steps) for o in outputs], sum(s.prompt_units for s in steps) / len(outputs),
+            max_batch, source="dllm-serve bench engine")
         save_calibration(calibration, path)
 
     return write

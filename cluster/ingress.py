@@ -11,7 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import ray
-from fastapi import FastAPI, Header
+from fastapi import FastAPI, Header, Query
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -38,7 +38,6 @@ class Ingress:
     def __init__(self, replicas: DeploymentHandle, config: dict):
         self.config = AppConfig.model_validate(config)
         self.replicas = replicas.options(stream=True)
-        self.replica_calls = replicas
         self.tokenizer = load_tokenizer(self.config.model)
         self.spec = load_model_spec(self.config.model, self.config.replica.model_overrides)
         self.default_algorithm = self._default_algorithm()
@@ -61,10 +60,16 @@ class Ingress:
                                             "owned_by": "dllm-serve", "created": 0}]}
 
     @app.get("/v1/dllm/calibration")
-    async def calibration(self, authorization: str | None = Header(None)):
-        """One replica's live calibration for `dllm-serve calibrate` (replicas are alike)."""
+    async def calibration(self, window_s: float = Query(60.0, gt=0),
+                          authorization: str | None = Header(None)):
+        """What every live replica measured in the last ``window_s`` seconds (kept by the
+        metrics actor), for `dllm-serve calibrate`."""
         self._authorize(authorization)
-        return await self.replica_calls.calibration.remote()
+        actor = self._metrics_actor()
+        if actor is None:
+            raise APIError(503, "the metrics actor is not running", type_="server_error")
+        return {"max_batch": self.config.replica.max_batch,
+                "replicas": await actor.calibration.remote(window_s)}
 
     @app.post("/v1/completions")
     async def completions(self, body: protocol.CompletionRequest, authorization: str | None = Header(None)):

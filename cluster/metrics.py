@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from replicas.calibration_log import CalibrationLog
+
 ACTOR_NAME = "dllm-metrics"
 ACTOR_NAMESPACE = "dllm"
 STALE_AFTER_S = 30.0
@@ -80,6 +82,7 @@ class MetricsExporter:
             self.metrics[spec.name] = spec.kind(spec.name, spec.help, spec.labels, registry=self.registry, **kwargs)
         self._last_seen: dict[str, float] = {}
         self._views: dict[str, dict] = {}
+        self._calibration: dict[str, CalibrationLog] = {}
         self.metrics["dllm_admitted_total"].inc(0)
         self.metrics["dllm_replicas"].set(0)
 
@@ -88,6 +91,7 @@ class MetricsExporter:
         m = self.metrics
         self._last_seen[replica] = time.monotonic()
         self._views[replica] = report["gauges"]
+        self._calibration.setdefault(replica, CalibrationLog()).extend(report["calibration"])
         for name, key in _GAUGE_SOURCES.items():
             m[name].labels(replica).set(report["gauges"][key])
         for name, key in (("dllm_steps_total", "steps"), ("dllm_forward_seconds_total", "forward_s"),
@@ -118,10 +122,17 @@ class MetricsExporter:
         now = time.monotonic()
         return {r: {**view, "age_s": now - self._last_seen[r]} for r, view in self._views.items()}
 
+    def calibration(self, window_s: float) -> dict[str, dict]:
+        """What each live replica measured in the last ``window_s`` seconds, for
+        `dllm-serve calibrate` (see ``replicas.calibration_log``)."""
+        self._prune()
+        since = time.time() - window_s
+        return {replica: log.summary(since) for replica, log in self._calibration.items()}
+
     def _prune(self) -> None:
         now = time.monotonic()
         for replica in [r for r, t in self._last_seen.items() if now - t > STALE_AFTER_S]:
-            del self._last_seen[replica], self._views[replica]
+            del self._last_seen[replica], self._views[replica], self._calibration[replica]
             for name in _GAUGE_SOURCES:
                 self.metrics[name].remove(replica)
         self.metrics["dllm_replicas"].set(len(self._last_seen))

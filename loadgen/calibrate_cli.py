@@ -17,18 +17,21 @@ from loadgen.simulator import POLICIES
 from replicas.evaluation import TINY_MAX_TOKENS
 
 
-def _target_options(parser: argparse.ArgumentParser) -> None:
+def _target_options(parser: argparse.ArgumentParser, rates_flag: str) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000",
                         help="base URL of a running dllm-serve cluster (default http://127.0.0.1:8000)")
     parser.add_argument("--api-key", help="send 'Authorization: Bearer KEY'")
     parser.add_argument("--model", help="model name (default: the first that GET /v1/models lists)")
     parser.add_argument("--max-tokens", type=positive_number(int), default=TINY_MAX_TOKENS, metavar="N",
                         help=f"max_tokens of each request (default {TINY_MAX_TOKENS})")
-    parser.add_argument("--rate", type=positive_number(float), default=12.0, metavar="R",
-                        help="calibration load: Poisson arrivals per second (default 12; pick a rate the "
-                             "cluster serves comfortably, so steps run at many batch sizes)")
-    parser.add_argument("--duration", type=positive_number(float), default=20.0, metavar="S",
-                        help="calibration load: seconds of arrivals (default 20)")
+    parser.add_argument("--replicas", type=positive_number(int), default=1,
+                        help="replicas serving (default 1): load points are per replica")
+    parser.add_argument(rates_flag, dest="calibration_rates", type=rate_list, default=[4.0, 20.0],
+                        metavar="R1,R2,...",
+                        help="calibration loads: Poisson arrivals per second to the cluster, one load point each "
+                             "(default 4,20: a light and a heavy load; the simulator interpolates between them)")
+    parser.add_argument("--duration", type=positive_number(float), default=30.0, metavar="S",
+                        help="seconds of arrivals per calibration load (default 30)")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals and prompts (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
@@ -37,12 +40,12 @@ def add_calibrate_parser(commands) -> None:
     """The `calibrate` subcommand."""
     cal = commands.add_parser(
         "calibrate", help="measure the simulator's calibration on a running cluster",
-        description="Send Poisson load (tiny-task prompts) to a running dllm-serve cluster and write the "
-                    "calibration `dllm-serve simulate --calibration` reads: step cost c0 + c1*rows and its "
-                    "spread from a replica's back-to-back steps, steps per block, blocks per request, and "
-                    "the request path's overhead (client latency minus engine time). Run it on an otherwise "
-                    "idle cluster.")
-    _target_options(cal)
+        description="Send Poisson load (tiny-task prompts) at each of --rates to a running dllm-serve cluster "
+                    "and write the calibration `dllm-serve simulate --calibration` reads: per rate, the step "
+                    "cost c0 + c1*rows + prefill_s*starting requests and its spread from a replica's "
+                    "back-to-back steps, and the request path's overhead (client latency minus engine time); "
+                    "steps per block and blocks per request pooled. Run it on an otherwise idle cluster.")
+    _target_options(cal, "--rates")
     cal.add_argument("--out", required=True, metavar="FILE", help="write the calibration JSON here")
     cal.set_defaults(func=run_calibrate)
 
@@ -54,13 +57,12 @@ def add_bench_calibration_parser(targets) -> None:
         description="Calibrate on a running cluster (as `dllm-serve calibrate`), then at each of --rates run "
                     "the same Poisson load live and in the simulator and print p50/p99 latency of both with "
                     "their ratios; the calibration holds when every ratio is within 20%% of 1.")
-    _target_options(bench)
+    _target_options(bench, "--calibration-rates")
     bench.add_argument("--rates", type=rate_list, default=[6.0, 12.0, 18.0], metavar="R1,R2,...",
                        help="arrival rates to compare (default 6,12,18)")
-    bench.add_argument("--rate-duration", type=positive_number(float), default=25.0, metavar="S",
-                       help="seconds of arrivals per compared rate (default 25)")
+    bench.add_argument("--rate-duration", type=positive_number(float), default=60.0, metavar="S",
+                       help="seconds of arrivals per compared rate (default 60: a p99 needs many requests)")
     bench.add_argument("--policy", choices=POLICIES, default="fdfo", help="the replicas' mode (default fdfo)")
-    bench.add_argument("--replicas", type=positive_number(int), default=1, help="replicas serving (default 1)")
     bench.add_argument("--json", action="store_true", help="one JSON object")
     bench.set_defaults(func=run_bench_calibration)
 
@@ -70,6 +72,10 @@ def _endpoint(args) -> client.Endpoint:
         raise LoadgenError(f"--url must start with http:// or https://, got {args.url!r}")
     return client.Endpoint(url=args.url.rstrip("/"), model=args.model, max_tokens=args.max_tokens,
                            api_key=args.api_key)
+
+
+def _plan(args) -> CalibrationPlan:
+    return CalibrationPlan(tuple(args.calibration_rates), args.duration, args.seed, args.replicas)
 
 
 def _run(command: str, work) -> int:
@@ -82,11 +88,9 @@ def _run(command: str, work) -> int:
 
 def run_calibrate(args) -> int:
     def work() -> int:
-        plan = CalibrationPlan(args.rate, args.duration, args.seed)
-        calibration = asyncio.run(calibrate(_endpoint(args), plan, args.quiet))
+        calibration = asyncio.run(calibrate(_endpoint(args), _plan(args), args.quiet))
         save_calibration(calibration, args.out)
-        print(f"wrote {args.out}: c0 {calibration['c0'] * 1e3:.2f} ms, c1 {calibration['c1'] * 1e3:.3f} ms/row; "
-              f"{calibration['source']}")
+        print(f"wrote {args.out}: {calibration['source']}")
         return 0
 
     return _run("calibrate", work)
@@ -94,9 +98,8 @@ def run_calibrate(args) -> int:
 
 def run_bench_calibration(args) -> int:
     def work() -> int:
-        plan = CalibrationPlan(args.rate, args.duration, args.seed)
-        result = asyncio.run(bench_calibration(_endpoint(args), plan, args.rates, args.rate_duration,
-                                               args.policy, args.replicas, quiet=args.quiet))
+        result = asyncio.run(bench_calibration(_endpoint(args), _plan(args), args.rates, args.rate_duration,
+                                               args.policy, quiet=args.quiet))
         print(json.dumps(result) if args.json else format_comparison(result))
         return 0
 

@@ -4,21 +4,31 @@ A calibration is one JSON object::
 
     {"c0": 0.004,                  # seconds per step, fixed part (dispatch overhead)
      "c1": 0.0003,                 # seconds per step per row in the batch
+     "prefill_s": 0.002,           # optional: seconds more for a step that computes a prompt
      "max_batch": 16,              # rows per step of the measured engine
      "steps_per_block": {"2": 0.70, "3": 0.12, ...},   # P(a block takes s steps)
      "blocks_per_request": {"2": 0.17, ...},           # P(a request has k blocks)
      "step_cost_spread": [0.8, 0.9, 1.0, 1.3],   # optional, default [1.0]
      "request_overhead_s": [0.03, 0.04, 0.06],  # optional, default 0
+     "load_points": [{"rate": 4, "c0": ..., "c1": ..., "prefill_s": ..., "step_cost_spread": [...],
+                      "request_overhead_s": [...]}, {"rate": 20, ...}],     # optional
      "source": "free text: where the numbers come from"}
 
-so one step of a batch of b rows costs ``c0 + c1 * b`` seconds times a multiplier drawn
-from ``step_cost_spread`` (equally likely values: how real steps scatter around the fit).
+so one step of a batch of b rows, k of them starting (their prompts computed in it), costs
+``c0 + c1 * b + prefill_s * k`` seconds times a multiplier drawn from ``step_cost_spread``
+(equally likely values: how real steps scatter around the fit).
 Distributions are stored normalized, keys are positive integers (JSON strings on disk).
 ``request_overhead_s`` (a number or equally likely values) is the time a request spends
 outside the engine (HTTP, proxy, ingress, routing, streaming back), drawn per request and
 added to its simulated latency and TTFB. `dllm-serve bench engine` measures the engine
-alone and leaves both optional fields at their defaults; `dllm-serve calibrate` measures
+alone and leaves the optional fields at their defaults; `dllm-serve calibrate` measures
 them on a live cluster.
+
+``load_points`` (optional) hold the step costs and overheads measured at several arrival
+rates per replica, because on a shared machine the serving path takes CPU from the
+engine as load grows. ``at_rate(calibration, rate)`` interpolates them linearly in the
+rate (clamped to the measured range; spreads and overheads quantile by quantile), and
+the top-level values are those of the lowest rate.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from replicas.cost_model import cost_spread, fit_step_cost
+from replicas.cost_model import step_calibration
 
 # Measured on the embedded tiny model (low_confidence, fp32, one torch thread on a shared
 # 2-core CPU; closed fdfo batches at max_batch 1..24, 2745 blocks, 400 requests). A
@@ -78,6 +88,54 @@ def _values(raw, name: str, positive: bool) -> list[float]:
     return values
 
 
+LOAD_FIELDS = ("c0", "c1", "prefill_s", "step_cost_spread", "request_overhead_s")
+
+
+def _number(raw: Mapping, name: str, default: float | None = None) -> float:
+    """``raw[name]`` as a finite number >= 0 (``default`` when absent, if given)."""
+    if name not in raw and default is not None:
+        return default
+    value = raw.get(name)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"calibration: {name} must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not np.isfinite(number) or number < 0:
+        raise ValueError(f"calibration: {name} must be a finite number >= 0, got {value!r}")
+    return number
+
+
+def _load_fields(raw: Mapping) -> dict:
+    """The load-dependent fields of a calibration or of one of its load points, checked."""
+    c0, c1 = _number(raw, "c0"), _number(raw, "c1")
+    if c0 + c1 <= 0:
+        raise ValueError(f"calibration: need c0 + c1 > 0, got c0={c0}, c1={c1}")
+    return {"c0": c0, "c1": c1, "prefill_s": _number(raw, "prefill_s", 0.0),
+            "step_cost_spread": _values(raw.get("step_cost_spread", [1.0]), "step_cost_spread", positive=True),
+            "request_overhead_s": _values(raw.get("request_overhead_s", 0.0), "request_overhead_s",
+                                          positive=False)}
+
+
+def _load_points(raw) -> list[dict]:
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ValueError("calibration: load_points must be a non-empty list of objects")
+    points = []
+    for index, point in enumerate(raw):
+        if not isinstance(point, Mapping):
+            raise ValueError("calibration: every load point must be an object with a rate")
+        try:
+            rate = _number(point, "rate")
+            if rate <= 0:
+                raise ValueError(f"calibration: rate must be > 0, got {rate}")
+            points.append({"rate": rate, **_load_fields(point)})
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("calibration: ", f"calibration: load point {index}: ", 1)) from None
+    points.sort(key=lambda p: p["rate"])
+    if len({p["rate"] for p in points}) != len(points):
+        raise ValueError("calibration: two load points have the same rate")
+    return points
+
+
 def validate_calibration(raw: Mapping) -> dict:
     """A checked, normalized copy of ``raw``; ``ValueError`` naming the first bad field."""
     if not isinstance(raw, Mapping):
@@ -85,30 +143,51 @@ def validate_calibration(raw: Mapping) -> dict:
     missing = [k for k in ("c0", "c1", "max_batch", "steps_per_block", "blocks_per_request") if k not in raw]
     if missing:
         raise ValueError(f"calibration: missing {', '.join(missing)}")
-    try:
-        c0, c1, max_batch = float(raw["c0"]), float(raw["c1"]), raw["max_batch"]
-    except (TypeError, ValueError):
-        raise ValueError("calibration: c0 and c1 must be numbers") from None
-    if not (np.isfinite(c0) and np.isfinite(c1)) or c0 < 0 or c1 < 0 or c0 + c1 <= 0:
-        raise ValueError(f"calibration: need c0, c1 >= 0 and c0 + c1 > 0, got c0={c0}, c1={c1}")
+    max_batch = raw["max_batch"]
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"calibration: max_batch must be an integer >= 1, got {max_batch!r}")
-    spread = _values(raw.get("step_cost_spread", [1.0]), "step_cost_spread", positive=True)
-    overhead = _values(raw.get("request_overhead_s", 0.0), "request_overhead_s", positive=False)
-    return {"c0": c0, "c1": c1, "max_batch": max_batch, "step_cost_spread": spread, "request_overhead_s": overhead,
-            "steps_per_block": _distribution(raw["steps_per_block"], "steps_per_block"),
-            "blocks_per_request": _distribution(raw["blocks_per_request"], "blocks_per_request"),
-            "source": str(raw.get("source", ""))}
+    checked = {**_load_fields(raw), "max_batch": max_batch,
+               "steps_per_block": _distribution(raw["steps_per_block"], "steps_per_block"),
+               "blocks_per_request": _distribution(raw["blocks_per_request"], "blocks_per_request"),
+               "source": str(raw.get("source", ""))}
+    if raw.get("load_points") is not None:
+        checked["load_points"] = _load_points(raw["load_points"])
+        checked.update({k: checked["load_points"][0][k] for k in LOAD_FIELDS})
+    return checked
 
 
-def fit_calibration(step_records: Iterable[tuple[int, float]], block_steps: Iterable[int],
-                    blocks_per_request: Iterable[int], max_batch: int, source: str = "fit") -> dict:
-    """A calibration from an engine run: per-step (rows, seconds), steps of every committed
-    block, and blocks of every finished request."""
-    step_records = list(step_records)
-    c0, c1 = fit_step_cost(step_records)
+def _interpolate(low, high, weight: float):
+    """Linear interpolation of numbers, or of equally likely values quantile by quantile."""
+    if isinstance(low, list):
+        points = max(len(low), len(high))
+        grid = (np.arange(points) + 0.5) / points
+        low, high = np.quantile(low, grid, method="inverted_cdf"), np.quantile(high, grid, method="inverted_cdf")
+        return ((1 - weight) * low + weight * high).tolist()
+    return (1 - weight) * low + weight * high
+
+
+def at_rate(calibration: Mapping, rate: float) -> dict:
+    """The calibration with its load-dependent fields at ``rate`` requests/s per replica
+    (unchanged when it has no load points)."""
+    cal = validate_calibration(calibration)
+    points = cal.get("load_points")
+    if not points:
+        return cal
+    rates = [p["rate"] for p in points]
+    upper = min(max(int(np.searchsorted(rates, rate)), 1), len(points) - 1) if len(points) > 1 else 0
+    low, high = points[max(upper - 1, 0)], points[upper]
+    span = high["rate"] - low["rate"]
+    weight = min(max((rate - low["rate"]) / span, 0.0), 1.0) if span > 0 else 0.0
+    return {**cal, **{k: _interpolate(low[k], high[k], weight) for k in LOAD_FIELDS}}
+
+
+def fit_calibration(step_records: Iterable[tuple[int, int, float]], block_steps: Iterable[int],
+                    blocks_per_request: Iterable[int], prompt_units_per_request: float, max_batch: int,
+                    source: str = "fit") -> dict:
+    """A calibration from an engine run: per-step (rows, prompt units, seconds), steps of
+    every committed block, blocks of every finished request, mean prompt units per request."""
     return validate_calibration({
-        "c0": c0, "c1": c1, "max_batch": max_batch, "step_cost_spread": cost_spread(step_records, c0, c1),
+        **step_calibration(step_records, prompt_units_per_request), "max_batch": max_batch,
         "steps_per_block": Counter(int(s) for s in block_steps),
         "blocks_per_request": Counter(int(k) for k in blocks_per_request),
         "source": source})

@@ -1,8 +1,9 @@
 """`dllm-serve bench calibration`: does the simulator predict the live cluster?
 
-Calibrates once on the live cluster (`loadgen.live_calibration`), then for each rate runs
-the same Poisson load against the cluster and through the simulator, and prints the
-p50/p99 latency of both and their ratios side by side.
+Calibrates once on the live cluster (`loadgen.live_calibration`, by default at a light and
+a heavy load), then for each compared rate runs a Poisson load (other arrivals and
+prompts than the calibration's) against the cluster and through the simulator, and
+prints the p50/p99 latency of both and their ratios side by side.
 """
 
 from __future__ import annotations
@@ -39,21 +40,22 @@ def holds(rows: list[dict], tolerance: float = TOLERANCE) -> bool:
 
 
 async def bench_calibration(endpoint: client.Endpoint, plan: CalibrationPlan, rates: list[float],
-                            duration_s: float, policy: str = "fdfo", replicas: int = 1,
-                            sim_requests: int = 4000, quiet: bool = False) -> dict:
+                            duration_s: float, policy: str = "fdfo", sim_requests: int = 4000,
+                            quiet: bool = False) -> dict:
     calibration = await calibrate(endpoint, plan, quiet)
     rows = []
     async with client.make_client(endpoint) as http:
         endpoint = replace(endpoint, model=endpoint.model or await client.first_model(http))
+        seed = plan.seed + 1  # other arrivals and prompts than the calibration's
         for rate in rates:
-            times = poisson_times(rate, plan.seed, duration_s)
-            arrivals = with_prompts(times, tiny_prompts(len(times), plan.seed))
+            times = poisson_times(rate, seed, duration_s)
+            arrivals = with_prompts(times, tiny_prompts(len(times), seed))
             records = await run_open_loop(arrivals, lambda i, a, s: client.send(http, endpoint, i, a, s),
                                           None if quiet else Progress(len(arrivals), f"rate {rate:g}/s "))
-            predicted = simulator.summarize(simulator.run(calibration, policy, rate, sim_requests, plan.seed,
-                                                          replicas=replicas))
+            predicted = simulator.summarize(simulator.run(calibration, policy, rate, sim_requests, seed,
+                                                          replicas=plan.replicas))
             rows.append(compare_row(rate, summarize(records, rate), predicted))
-    return {"calibration": calibration, "policy": policy, "replicas": replicas, "rows": rows,
+    return {"calibration": calibration, "policy": policy, "replicas": plan.replicas, "rows": rows,
             "tolerance": TOLERANCE, "holds": holds(rows)}
 
 

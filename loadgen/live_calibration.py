@@ -4,22 +4,30 @@ The bench's calibration (`dllm-serve bench engine --calibration`) times the engi
 on a quiet machine. A live replica runs slower than that: its engine thread shares the
 interpreter with the replica's event loop and the CPU with Serve's proxy and the ingress,
 and each request also spends time outside the engine (HTTP, proxy, ingress, routing,
-streaming back). So `dllm-serve calibrate` measures on the live cluster, under Poisson
-load at ``rate`` for ``duration_s`` (the engine then steps at many batch sizes):
+streaming back). So `dllm-serve calibrate` measures on the live cluster, under Poisson load at each of
+``rates`` for ``duration_s`` (the engine then steps at many batch sizes), one load point
+per rate:
 
 * step cost: the replica's busy-step periods (wall clock between back-to-back steps, the
-  contention included) give ``c0 + c1 * rows`` and ``step_cost_spread``;
-* steps per block and blocks per request: the replica's finished requests;
+  contention included) give ``c0 + c1 * rows + prefill_s * starting requests`` and
+  ``step_cost_spread``;
 * ``request_overhead_s``: each completed request's client latency minus the time it spent
-  in the replica (``dllm.engine_s`` of its last chunk), as 100 equally likely values.
+  in the replica (``dllm.engine_s`` of its last chunk), as 100 equally likely values;
+* steps per block and blocks per request: the replica's finished requests, all rates pooled.
 
-The replica's numbers come from ``GET /v1/dllm/calibration`` (one replica answers;
-replicas are alike). The cluster should be otherwise idle while it runs.
+Step costs and overheads grow with load when the serving path shares the replica's CPU,
+so measure at a low and a high rate: the simulator interpolates between load points.
+The replicas' numbers come from ``GET /v1/dllm/calibration?window_s=`` each load's span
+(the metrics actor keeps every replica's records), pooled. The cluster should be
+otherwise idle.
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
+import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import httpx
@@ -30,27 +38,45 @@ from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
 from loadgen.calibration import validate_calibration
 from loadgen.records import OK, LoadgenError, Record
 from loadgen.runner import Progress, run_open_loop
+from replicas.cost_model import step_calibration
 
 CALIBRATION_PATH = "/v1/dllm/calibration"
+REPORT_LAG_S = 2.0  # replicas report every stats_period_s (0.5 s by default)
 
 
 @dataclass(frozen=True)
 class CalibrationPlan:
-    rate: float = 12.0
-    duration_s: float = 20.0
+    rates: tuple[float, ...] = (4.0, 20.0)  # requests per second to the whole cluster
+    duration_s: float = 30.0  # of arrivals, per rate
     seed: int = 0
+    replicas: int = 1  # serving, so that a load point's rate is per replica
 
 
-async def fetch_replica_calibration(http: httpx.AsyncClient) -> dict:
-    """The raw calibration one replica reports; ``LoadgenError`` if the server has none."""
+async def fetch_calibration(http: httpx.AsyncClient, window_s: float) -> dict:
+    """What every replica measured in the last ``window_s`` seconds; ``LoadgenError`` if
+    the server has no such endpoint."""
     try:
-        response = await http.get(CALIBRATION_PATH, timeout=30)
+        response = await http.get(CALIBRATION_PATH, params={"window_s": window_s}, timeout=30)
     except httpx.HTTPError as exc:
         raise LoadgenError(f"GET {CALIBRATION_PATH} failed: {type(exc).__name__}: {exc}") from None
     if response.status_code != 200:
         raise LoadgenError(f"GET {CALIBRATION_PATH} answered {response.status_code}: "
                            f"{client.error_message(response)} (is this a dllm-serve cluster?)")
     return response.json()
+
+
+def pool_reports(answer: dict) -> dict:
+    """The replicas' reports as one: step periods and counts pooled, the step cost fitted."""
+    reports = list(answer["replicas"].values())
+    periods = [tuple(p) for report in reports for p in report["step_periods"]]
+    if not periods:
+        raise LoadgenError("no replica took two steps back to back; calibrate at higher rates")
+    started = sum(report["requests_started"] for report in reports)
+    units_per_request = sum(report["prompt_units"] for report in reports) / max(1, started)
+    counts = {name: sum((Counter({int(k): v for k, v in report[name].items()}) for report in reports), Counter())
+              for name in ("steps_per_block", "blocks_per_request")}
+    return {**step_calibration(periods, units_per_request), **counts, "max_batch": answer["max_batch"],
+            "replicas_stepping": sum(1 for report in reports if report["step_periods"])}
 
 
 def request_overheads(records: list[Record], points: int = 100) -> list[float]:
@@ -63,19 +89,36 @@ def request_overheads(records: list[Record], points: int = 100) -> list[float]:
     return [max(0.0, round(float(g), 5)) for g in np.quantile(gaps, (np.arange(points) + 0.5) / points)]
 
 
+async def _load_point(http: httpx.AsyncClient, endpoint: client.Endpoint, rate: float, plan: CalibrationPlan,
+                      quiet: bool) -> tuple[dict, dict]:
+    """Poisson load at ``rate``; returns the load point and the pooled replica reports."""
+    times = poisson_times(rate, plan.seed, plan.duration_s)
+    arrivals = with_prompts(times, tiny_prompts(len(times), plan.seed))
+    started = time.monotonic()
+    records = await run_open_loop(arrivals, lambda i, a, s: client.send(http, endpoint, i, a, s),
+                                  None if quiet else Progress(len(arrivals), f"calibration at {rate:g}/s "))
+    await asyncio.sleep(REPORT_LAG_S)  # the replicas' last records reach the metrics actor
+    pooled = pool_reports(await fetch_calibration(http, time.monotonic() - started))
+    point = {"rate": rate / plan.replicas, **{k: pooled[k] for k in ("c0", "c1", "prefill_s", "step_cost_spread")},
+             "request_overhead_s": request_overheads(records)}
+    return point, pooled
+
+
 async def calibrate(endpoint: client.Endpoint, plan: CalibrationPlan, quiet: bool = False) -> dict:
     """A validated calibration of the cluster behind ``endpoint`` (see the module doc)."""
+    points, steps, blocks, heard = [], Counter(), Counter(), 0
     async with client.make_client(endpoint) as http:
         endpoint = replace(endpoint, model=endpoint.model or await client.first_model(http))
-        times = poisson_times(plan.rate, plan.seed, plan.duration_s)
-        arrivals = with_prompts(times, tiny_prompts(len(times), plan.seed))
-        records = await run_open_loop(arrivals, lambda i, a, s: client.send(http, endpoint, i, a, s),
-                                      None if quiet else Progress(len(arrivals), "calibration load "))
-        raw = await fetch_replica_calibration(http)
-    overheads = request_overheads(records)
-    if raw.get("c0") is None:
-        raise LoadgenError("the replica took no back-to-back steps; raise the calibration rate or duration")
+        for rate in plan.rates:
+            point, pooled = await _load_point(http, endpoint, rate, plan, quiet)
+            points.append(point)
+            steps.update(pooled["steps_per_block"])
+            blocks.update(pooled["blocks_per_request"])
+            heard = max(heard, pooled["replicas_stepping"])
+    described = ", ".join(f"{p['rate']:g}/s: c0 {p['c0'] * 1e3:.1f} ms, c1 {p['c1'] * 1e3:.2f} ms, "
+                          f"overhead {statistics.median(p['request_overhead_s']) * 1e3:.0f} ms" for p in points)
     return validate_calibration({
-        **raw, "request_overhead_s": overheads,
-        "source": f"dllm-serve calibrate {endpoint.url}: {len(arrivals)} requests at {plan.rate:g}/s "
-                  f"(median overhead {statistics.median(overheads) * 1e3:.1f} ms); {raw['source']}"})
+        **points[0], "max_batch": pooled["max_batch"], "steps_per_block": steps, "blocks_per_request": blocks,
+        "load_points": points,
+        "source": f"dllm-serve calibrate {endpoint.url}, {plan.replicas} replica(s) ({heard} stepping), "
+                  f"per replica {described}"})

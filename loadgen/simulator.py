@@ -2,8 +2,9 @@
 
 N identical replicas sit behind the cluster's step-aware admission and drain-time router.
 Each replica runs one scheduler policy with the engine's exact semantics (see
-``replicas/scheduler.py``); a step of b rows costs ``c0 + c1 * b`` seconds and every
-block of a request takes a number of steps drawn from the calibration:
+``replicas/scheduler.py``); a step of b rows costs ``c0 + c1 * b`` seconds, plus
+``prefill_s`` for each request whose prompt it computes (a request's first step), and
+every block of a request takes a number of steps drawn from the calibration:
 
 * ``fdfo``: after every step done rows move on or leave and waiting requests fill free
   rows; optionally a step may be held to let arrivals join (``fdfo_fill_hold``, the
@@ -22,9 +23,10 @@ ends; admission refuses when the cluster's outstanding charge would pass
 replica with the least step debt (all replicas drain at the same rate, so least debt is
 least predicted drain time), ties in turn. Each step's cost is multiplied by a draw from
 the calibration's ``step_cost_spread``, and each request's latency and TTFB get a draw
-from its ``request_overhead_s`` (the request path outside the engine). Simplifications: prefill is fused with the
-first block's step, a replica's debt drops when a step or round starts, arrival
-knowledge is exact (fdfo hold and analytic τ use the true per-replica rate).
+from its ``request_overhead_s`` (the request path outside the engine); with load points,
+these are taken at the workload's mean arrival rate per replica. Simplifications: prefill
+is fused with the first block's step, a replica's debt drops when a step or round starts,
+arrival knowledge is exact (fdfo hold and analytic τ use the true per-replica rate).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Mapping
 
 import numpy as np
 
-from loadgen.calibration import validate_calibration
+from loadgen.calibration import at_rate, validate_calibration
 from replicas.fill_timeout import batch_capacity, fdfo_hold, optimal_fill_timeout
 
 POLICIES = ("static", "sync", "fixed_fill", "fdfo")
@@ -111,8 +113,9 @@ class _Replica:
     """One engine: a FIFO queue and rows ``[request, block, steps left, state]``."""
 
     def __init__(self, ledger: _Ledger, policy: str, max_batch: int, c0: float, c1: float,
-                 fill_timeout: float, hold_rate: float | None, spread: "_Spread"):
+                 fill_timeout: float, hold_rate: float | None, spread: "_Spread", prefill_s: float):
         self.ledger = ledger
+        self.prefill_s = prefill_s
         self.spread = spread
         self.policy = policy
         self.max_batch = max_batch
@@ -196,7 +199,8 @@ class _Replica:
                 count = max(1, math.ceil((next_arrival - now) / step))
         else:
             count = 1
-        ends = self.spread.step_ends(now, step, count)
+        starting = sum(1 for r in active if r[1] == 0 and r[2] == ledger.steps[r[0]][0])
+        ends = self.spread.step_ends(now, step, count, self.prefill_s * starting)
         charge, released = ledger.charge, 0.0
         for row in active:
             req, block, left = row[0], row[1], row[2]
@@ -229,12 +233,16 @@ class _Spread:
         self.multipliers = np.asarray(multipliers, dtype=float)
         self.rng = rng
 
-    def step_ends(self, now: float, step: float, count: int) -> list[float]:
+    def step_ends(self, now: float, step: float, count: int, first_extra: float = 0.0) -> list[float]:
+        """When each of ``count`` steps of ``step`` seconds ends; the first costs
+        ``first_extra`` more (the prompts computed in it)."""
         if len(self.multipliers) == 1:
             cost = step * float(self.multipliers[0])
-            return [now + k * cost for k in range(1, count + 1)]
+            return [now + first_extra * float(self.multipliers[0]) + k * cost for k in range(1, count + 1)]
         drawn = self.multipliers[self.rng.integers(len(self.multipliers), size=count)]
-        return (now + step * np.cumsum(drawn)).tolist()
+        costs = step * drawn
+        costs[0] += first_extra * drawn[0]
+        return (now + np.cumsum(costs)).tolist()
 
 
 # ---- the cluster ---------------------------------------------------------------------------
@@ -270,7 +278,6 @@ def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: in
     rate). ``fdfo_fill_hold``: fdfo holds under-filled steps by the fill-hold rule.
     ``max_step_debt``: row-steps the cluster may owe per replica (None: admit all).
     """
-    cal = validate_calibration(calibration)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     if replicas < 1:
@@ -280,6 +287,7 @@ def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: in
     if max_step_debt is not None and not max_step_debt > 0:
         raise ValueError(f"the step-debt bound must be > 0 row-steps, got {max_step_debt}")
     rate = workload.rate / replicas
+    cal = at_rate(calibration, rate)
     args = (cal["max_batch"], cal["c0"], cal["c1"], cal["steps_per_block"], cal["blocks_per_request"])
     tau = None
     if policy == "fixed_fill":
@@ -288,8 +296,8 @@ def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: in
     ledger = _Ledger(workload, admission_cost(cal, cost_quantile))
     rng = np.random.default_rng([workload.seed, 2])
     spread = _Spread(cal["step_cost_spread"], rng)
-    fleet = [_Replica(ledger, policy, cal["max_batch"], cal["c0"], cal["c1"], tau or 0.0, hold_rate, spread)
-             for _ in range(replicas)]
+    fleet = [_Replica(ledger, policy, cal["max_batch"], cal["c0"], cal["c1"], tau or 0.0, hold_rate, spread,
+                      cal["prefill_s"]) for _ in range(replicas)]
     limit = math.inf if max_step_debt is None else max_step_debt * replicas
     wake = [math.inf] * replicas  # when each replica acts next
     events: list[tuple[float, int]] = []

@@ -22,7 +22,10 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: Callable[[StepStats], None] | None = None):
+    def __init__(self, engine: Engine, on_step: Callable[[StepStats, float | None], None] | None = None):
+        """``on_step(stats, busy_period_s)``: after every step; ``busy_period_s`` is the wall
+        time since the previous step ended when the loop went straight on to this one (the
+        step plus whatever the loop lost to other threads), None after a wait."""
         self.engine = engine
         self.on_step = on_step
         self._wake = threading.Event()
@@ -33,9 +36,11 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        previous_end = None  # when the previous step ended, unless the loop waited since
         while not self._stop.is_set():
             self.last_step_time = time.monotonic()
             if not engine.has_work():
+                previous_end = None
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -43,12 +48,17 @@ class AsyncEngine:
                 stats = engine.step()
             except Exception:  # the loop must survive anything a step throws
                 log.exception("engine step failed")
+                previous_end = None
                 continue
             if stats is None:  # holding to fill a batch, or nothing runnable
+                previous_end = None
                 self._wake.wait(timeout=min(max(engine.hold_s(), 0.001), 0.05))
                 self._wake.clear()
-            elif self.on_step is not None:
-                self.on_step(stats)
+                continue
+            end = time.perf_counter()
+            if self.on_step is not None:
+                self.on_step(stats, None if previous_end is None else end - previous_end)
+            previous_end = end
 
     @property
     def alive(self) -> bool:

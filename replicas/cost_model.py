@@ -43,17 +43,41 @@ def fit_step_cost(step_records: Iterable[tuple[int, float]]) -> tuple[float, flo
     return float(c0), float(c1)
 
 
-def cost_spread(step_records: Iterable[tuple[int, float]], c0: float, c1: float,
-                points: int = 100) -> list[float]:
-    """The measured step times divided by the fit ``c0 + c1 * b``, as ``points`` equally
-    likely multipliers (the midpoint quantiles): how much real steps scatter around the
-    fitted cost, e.g. when other processes take the CPU for a while."""
-    data = np.asarray(list(step_records), dtype=float).reshape(-1, 2)
-    fitted = c0 + c1 * data[:, 0]
-    if len(data) == 0 or np.any(fitted <= 0):
-        raise ValueError("cost spread: need step records and a positive fitted cost")
-    ratios = data[:, 1] / fitted
-    return [round(float(r), 4) for r in np.quantile(ratios, (np.arange(points) + 0.5) / points)]
+def fit_step_cost_with_prefill(step_records: Iterable[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """Non-negative least squares ``(c0, c1, c2)`` of
+    ``step_seconds ≈ c0 + c1 * rows + c2 * prompt_units``: with three terms the exact
+    answer is the best fit, over the subsets of terms, whose coefficients are all >= 0."""
+    data = np.asarray(list(step_records), dtype=float).reshape(-1, 3)
+    if len(data) == 0:
+        raise ValueError("fit: no step records")
+    terms = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+    seconds = data[:, 2]
+    best = (np.inf, np.array([seconds.mean(), 0.0, 0.0]))
+    for subset in ([0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1], [2]):
+        coef = np.linalg.lstsq(terms[:, subset], seconds, rcond=None)[0]
+        residual = float(((terms[:, subset] @ coef - seconds) ** 2).sum())
+        if np.all(coef >= 0) and residual < best[0] - 1e-15:
+            full = np.zeros(3)
+            full[subset] = coef
+            best = (residual, full)
+    return tuple(float(c) for c in best[1])
+
+
+def step_calibration(step_records: Iterable[tuple[int, int, float]], prompt_units_per_request: float,
+                     points: int = 100) -> dict:
+    """The step-cost part of a simulator calibration from (rows, prompt units, seconds) of
+    real steps: ``c0 + c1 * rows`` per step, ``prefill_s`` more for each request whose
+    prompt the step computes (``c2`` x its mean prompt units), and ``step_cost_spread``:
+    measured seconds over the fit as ``points`` equally likely multipliers (how much real
+    steps scatter, e.g. when other processes take the CPU for a while)."""
+    data = np.asarray(list(step_records), dtype=float).reshape(-1, 3)
+    c0, c1, c2 = fit_step_cost_with_prefill(data)
+    fitted = c0 + c1 * data[:, 0] + c2 * data[:, 1]
+    if np.any(fitted <= 0):
+        raise ValueError("step calibration: the fitted cost is not positive for every step")
+    ratios = np.quantile(data[:, 2] / fitted, (np.arange(points) + 0.5) / points)
+    return {"c0": c0, "c1": c1, "prefill_s": c2 * prompt_units_per_request,
+            "step_cost_spread": [round(float(r), 4) for r in ratios]}
 
 
 class OnlineCostModel:

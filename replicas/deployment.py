@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 import torch
 
 from replicas.async_engine import AsyncEngine
-from replicas.cost_model import cost_spread, fit_step_cost
 from replicas.engine import Engine, EngineConfig
 from replicas.monitor import ReplicaMonitor
 from replicas.request import FinishReason, RequestError, SamplingParams
@@ -136,19 +135,6 @@ class EngineReplica:
             "requests_finished": totals.requests_finished, "requests_aborted": totals.requests_aborted,
             "requests_failed": totals.requests_failed, "compute_ratio": totals.compute_ratio,
         }
-
-    async def calibration(self) -> dict:
-        """The simulator's calibration measured on this replica's live traffic (see
-        ``ReplicaMonitor.calibration_data``); the request path's overhead is the client's
-        to measure (each chunk carries ``engine_s``)."""
-        data = self.monitor.calibration_data()
-        periods = data["step_periods"]
-        c0, c1 = fit_step_cost(periods) if periods else (None, None)
-        return {"c0": c0, "c1": c1, "max_batch": self.engine.config.max_batch,
-                "step_cost_spread": cost_spread(periods, c0, c1) if periods else [1.0],
-                "steps_per_block": data["steps_per_block"], "blocks_per_request": data["blocks_per_request"],
-                "source": f"live replica {self.replica_id}: {len(periods)} busy steps, "
-                          f"{sum(data['blocks_per_request'].values())} requests"}
 
     def __del__(self):
         """Serve's graceful shutdown: in-flight requests are done; stop the threads."""

@@ -9,10 +9,8 @@ Step debt is the work the replica still owes, in row-steps (one row advanced by 
 step): for every live request, its admission cost minus the steps it already took.
 Dividing it by the measured row-steps per second predicts when the replica drains.
 
-``calibration_data()`` is what the capacity simulator needs from a live replica: the
-wall-clock period of every step taken back to back (so it includes the time the engine
-thread loses to the replica's other threads, not only the step itself), steps per
-block, and blocks per finished request.
+Reports also carry the new records of a ``CalibrationLog`` (what the capacity simulator
+needs; the metrics actor keeps them per replica).
 """
 
 from __future__ import annotations
@@ -21,12 +19,12 @@ import threading
 import time
 from collections import Counter, deque
 
+from replicas.calibration_log import CalibrationLog
 from replicas.stats import StepStats
 
 
 class ReplicaMonitor:
     WINDOW_STEPS = 256  # steps in the drain-rate window
-    CALIBRATION_STEPS = 4096  # busy step periods kept for calibration
 
     def __init__(self, initial_row_steps_per_s: float, max_report_samples: int = 4096):
         self.initial_rate = initial_row_steps_per_s
@@ -36,9 +34,7 @@ class ReplicaMonitor:
         self._debt: dict[str, tuple[float, int]] = {}  # request id -> (cost, steps taken)
         self._gauges = {"waiting": 0, "running": 0, "free_pages": 0, "total_pages": 0}
         self._steps_per_block: Counter = Counter()  # since start, for admission quantiles
-        self._blocks_per_request: Counter = Counter()
-        self._busy_periods: deque[tuple[int, float]] = deque(maxlen=self.CALIBRATION_STEPS)
-        self._last_step: tuple[float, bool] | None = None  # (end time, work left after it)
+        self._calibration = CalibrationLog()  # records not yet reported
         self._reset_report()
 
     def _reset_report(self) -> None:
@@ -56,12 +52,12 @@ class ReplicaMonitor:
         self._finished: Counter = Counter()
 
     # ---- inputs ---------------------------------------------------------------------
-    def on_step(self, stats: StepStats) -> None:
-        now = time.monotonic()
+    def on_step(self, stats: StepStats, busy_period_s: float | None = None) -> None:
+        """``busy_period_s``: wall time since the previous step when the engine went straight
+        on to this one (see ``AsyncEngine``), else None."""
         with self._lock:
-            if self._last_step is not None and self._last_step[1]:
-                self._busy_periods.append((stats.batch_size, now - self._last_step[0]))
-            self._last_step = (now, stats.running > 0)
+            self._calibration.steps.append((time.time(), stats.batch_size, stats.prompt_units, busy_period_s,
+                                            stats.block_steps))
             self._window.append((stats.active_rows, stats.step_s))
             self._steps += 1
             self._forward_s += stats.forward_s
@@ -82,6 +78,7 @@ class ReplicaMonitor:
     def request_started(self, request_id: str, cost: float) -> None:
         with self._lock:
             self._debt[request_id] = (cost, 0)
+            self._calibration.starts.append(time.time())
 
     def request_progressed(self, request_id: str, steps: int) -> None:
         with self._lock:
@@ -95,7 +92,7 @@ class ReplicaMonitor:
             self._finished[reason] += 1
             self._output_tokens += output_tokens
             if blocks:
-                self._blocks_per_request[blocks] += 1
+                self._calibration.ends.append((time.time(), blocks))
             if len(self._latencies) < self.max_samples:
                 self._latencies.append(latency_s)
                 if time_to_first_block_s is not None:
@@ -128,13 +125,6 @@ class ReplicaMonitor:
         with self._lock:
             return {"step_debt": self._step_debt(), "row_steps_per_s": self._row_steps_per_s()}
 
-    def calibration_data(self) -> dict:
-        """Busy step periods as (rows, seconds), steps per block, blocks per finished request."""
-        with self._lock:
-            return {"step_periods": list(self._busy_periods),
-                    "steps_per_block": dict(self._steps_per_block),
-                    "blocks_per_request": dict(self._blocks_per_request)}
-
     def report(self) -> dict:
         """Everything since the last report, plus current gauges and routing stats."""
         snapshot = self.routing_stats()
@@ -145,7 +135,7 @@ class ReplicaMonitor:
                 "overheads_s": self._overheads, "batch_sizes": self._batch_sizes,
                 "block_steps": self._block_steps, "latencies_s": self._latencies,
                 "time_to_first_block_s": self._ttfb, "finished": dict(self._finished),
-                "gauges": snapshot,
+                "gauges": snapshot, "calibration": self._calibration.take_new(),
             }
             self._reset_report()
         return out

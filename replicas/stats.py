@@ -17,6 +17,7 @@ class StepStats:
     running: int
     blocks_committed: int
     block_steps: tuple[int, ...]  # steps taken by each block committed this step
+    prompt_units: int = 0  # page-sized units of prompt (prefill) in the forward, besides the block units
 
     @property
     def overhead_s(self) -> float:

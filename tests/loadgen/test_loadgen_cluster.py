@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from loadgen.arrivals import poisson_times
-from loadgen.calibration import load_calibration
+from loadgen.calibration import at_rate, load_calibration
 
 RATE, DURATION_S, SEED = 8.0, 6.0, 3
 
@@ -55,10 +55,11 @@ def _cli(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_calibrate_measures_the_live_cluster(tiny_cluster, tmp_path):
+def test_calibrate_measures_the_live_cluster(tiny_cluster, tmp_path, request):
     out = tmp_path / "live.json"
-    run = _cli("calibrate", "--url", tiny_cluster.base_url, "--rate", "10", "--duration", "4", "--seed", "1",
-               "--out", str(out), "--quiet")
+    replicas = request.node.callspec.params["tiny_cluster"]
+    run = _cli("calibrate", "--url", tiny_cluster.base_url, "--rates", "4,12", "--duration", "3", "--seed", "1",
+               "--replicas", str(replicas), "--out", str(out), "--quiet")
     assert run.returncode == 0, run.stderr[-3000:]
     cal = load_calibration(out)
     assert cal["c0"] + cal["c1"] * cal["max_batch"] > 0 and cal["max_batch"] == 16
@@ -67,12 +68,19 @@ def test_calibrate_measures_the_live_cluster(tiny_cluster, tmp_path):
     assert len(overheads) == 100 and 0 <= min(overheads) <= max(overheads) < 5
     assert set(cal["blocks_per_request"]) <= set(range(2, 8))  # 1-6 grids + the EOS block
     assert min(cal["steps_per_block"]) >= 2  # a block is unmasked, then its KV written
-    assert "requests at 10/s" in cal["source"] and "live replica" in cal["source"]
+    assert f"{replicas} replica(s) (" in cal["source"]
+    assert [p["rate"] for p in cal["load_points"]] == [4 / replicas, 12 / replicas]
+    for point in cal["load_points"]:
+        assert point["c0"] + point["c1"] > 0 and len(point["request_overhead_s"]) == 100
+    assert cal["prefill_s"] > 0  # every request computes a 7-page prompt
+    low, high = at_rate(cal, 4 / replicas), at_rate(cal, 12 / replicas)
+    assert low["c0"] == cal["load_points"][0]["c0"] and high["c1"] == cal["load_points"][1]["c1"]
 
 
 def test_bench_calibration_prints_both_sides(tiny_cluster, request):
     replicas = request.node.callspec.params["tiny_cluster"]
-    run = _cli("bench", "calibration", "--url", tiny_cluster.base_url, "--rate", "10", "--duration", "3",
+    run = _cli("bench", "calibration", "--url", tiny_cluster.base_url, "--calibration-rates", "4,12",
+               "--duration", "3",
                "--rates", "4,10", "--rate-duration", "3", "--replicas", str(replicas),
                "--json", "--quiet")
     assert run.returncode == 0, run.stderr[-3000:]

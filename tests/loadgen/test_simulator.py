@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from cluster.cli import main
-from loadgen.calibration import (DEFAULT_CALIBRATION, fit_calibration, fit_step_cost, load_calibration,
+from loadgen.calibration import (DEFAULT_CALIBRATION, at_rate, fit_calibration, load_calibration,
                                  save_calibration, validate_calibration)
+from replicas.cost_model import fit_step_cost, fit_step_cost_with_prefill
 from loadgen.simulator import (POLICIES, Workload, find_max_rate, find_replicas, fixed_fill_capacity,
-                               poisson_workload, run, simulate, slo_attainment, summarize, throughput_bound)
+                               poisson_workload, run, simulate, slo_attainment, summarize, throughput_bound,
+                               trace_workload)
 
 CAL = validate_calibration(DEFAULT_CALIBRATION)
 
@@ -118,29 +120,38 @@ def test_bad_options_raise_value_error(bad):
 
 
 # ---- calibration files -------------------------------------------------------------------------
-def test_fit_recovers_step_cost_and_distributions():
-    rng = np.random.default_rng(0)
-    rows = rng.integers(1, 17, 500)
-    records = list(zip(rows.tolist(), (0.004 + 0.0005 * rows + rng.normal(0, 1e-4, 500)).tolist()))
-    cal = fit_calibration(records, [2, 2, 3, 2], [1, 2, 2, 3], max_batch=16, source="synthetic")
+def _steps(n: int, seed: int, factor=None) -> list[tuple[int, int, float]]:
+    """Synthetic (rows, prompt units, seconds): 4 ms + 0.5 ms per row + 0.3 ms per prompt unit."""
+    rng = np.random.default_rng(seed)
+    rows, units = rng.integers(1, 17, n), rng.integers(0, 3, n) * 8
+    seconds = (0.004 + 0.0005 * rows + 0.0003 * units) * (1.0 if factor is None else factor(rng, n))
+    return list(zip(rows.tolist(), units.tolist(), seconds.tolist()))
+
+
+def test_fit_recovers_step_cost_prefill_and_distributions():
+    records = [(r, u, t + e) for (r, u, t), e in zip(_steps(500, 0), np.random.default_rng(9).normal(0, 1e-4, 500))]
+    cal = fit_calibration(records, [2, 2, 3, 2], [1, 2, 2, 3], prompt_units_per_request=8, max_batch=16,
+                          source="synthetic")
     assert cal["c0"] == pytest.approx(0.004, abs=1e-4) and cal["c1"] == pytest.approx(0.0005, abs=1e-5)
+    assert cal["prefill_s"] == pytest.approx(8 * 0.0003, rel=0.02)
     assert cal["steps_per_block"] == {2: 0.75, 3: 0.25}
     assert cal["blocks_per_request"] == {1: 0.25, 2: 0.5, 3: 0.25}
 
 
 def test_fit_measures_how_steps_scatter_around_the_fit():
-    rng = np.random.default_rng(1)
-    rows = rng.integers(1, 17, 4000)
-    factor = np.where(rng.random(4000) < 0.1, 3.0, 1.0)  # one step in ten takes three times as long
-    records = list(zip(rows.tolist(), ((0.004 + 0.0005 * rows) * factor).tolist()))
-    c0, c1 = fit_step_cost(records)
-    spread = np.asarray(fit_calibration(records, [2], [1], max_batch=16)["step_cost_spread"])
+    def one_in_ten_slow(rng, n):
+        return np.where(rng.random(n) < 0.1, 3.0, 1.0)  # one step in ten takes three times as long
+
+    records = _steps(4000, 1, one_in_ten_slow)
+    c0, c1, c2 = fit_step_cost_with_prefill(records)
+    spread = np.asarray(fit_calibration(records, [2], [1], 8, max_batch=16)["step_cost_spread"])
     assert len(spread) == 100 and np.all(np.diff(spread) >= 0)
-    assert spread[-5:] / spread[:5].mean() == pytest.approx(np.full(5, 3.0), rel=0.05)
-    assert np.mean(spread * (c0 + c1 * 8)) == pytest.approx((0.004 + 0.0005 * 8) * 1.2, rel=0.05)
+    assert spread[90:].mean() / spread[:90].mean() == pytest.approx(3.0, rel=0.1)
+    assert np.mean(spread * (c0 + c1 * 8 + c2 * 8)) == pytest.approx((0.004 + 0.0005 * 8 + 0.0003 * 8) * 1.2,
+                                                                      rel=0.05)
 
 
-def test_request_overhead_and_step_spread_enter_the_simulation():
+def test_request_overhead_prefill_and_step_spread_enter_the_simulation():
     work = poisson_workload(CAL, 0.5 * throughput_bound(CAL), 2000, seed=5)
     plain = simulate(CAL, work, "fdfo")
     shifted = simulate({**CAL, "request_overhead_s": 0.25}, work, "fdfo")
@@ -151,13 +162,44 @@ def test_request_overhead_and_step_spread_enter_the_simulation():
     assert np.percentile(jittery.latency, 99) > 1.2 * np.percentile(plain.latency, 99)
     assert np.array_equal(jittery.latency, simulate({**CAL, "step_cost_spread": [0.6] * 9 + [4.6]}, work,
                                                     "fdfo").latency)  # seeded
+    alone = trace_workload(CAL, np.arange(200) * 10.0, seed=5)  # requests never overlap
+    with_prefill = simulate({**CAL, "prefill_s": 0.05}, alone, "fdfo").latency
+    assert np.allclose(with_prefill, simulate(CAL, alone, "fdfo").latency + 0.05)
+    busy = simulate({**CAL, "prefill_s": 0.05}, work, "fdfo").latency
+    assert np.percentile(busy, 50) > np.percentile(plain.latency, 50) + 0.05  # others wait for the prompts too
 
 
-def test_fit_clips_negative_coefficients():
+def test_load_points_are_interpolated_in_the_rate_per_replica():
+    light = {"rate": 2.0, "c0": 0.004, "c1": 0.001, "prefill_s": 0.002, "step_cost_spread": [0.8, 1.2],
+             "request_overhead_s": [0.02, 0.04]}
+    heavy = {"rate": 6.0, "c0": 0.008, "c1": 0.002, "step_cost_spread": [0.5, 1.5], "request_overhead_s": 0.1}
+    cal = validate_calibration({**CAL, "load_points": [heavy, light]})
+    assert cal["c0"] == 0.004 and [p["rate"] for p in cal["load_points"]] == [2.0, 6.0]  # lowest rate on top
+    middle = at_rate(cal, 4.0)
+    assert middle["c0"] == pytest.approx(0.006) and middle["c1"] == pytest.approx(0.0015)
+    assert middle["prefill_s"] == pytest.approx(0.001)  # absent: 0
+    assert middle["step_cost_spread"] == pytest.approx([0.65, 1.35])
+    assert middle["request_overhead_s"] == pytest.approx([0.06, 0.07])
+    assert at_rate(cal, 0.5)["c0"] == 0.004 and at_rate(cal, 50)["c0"] == 0.008  # clamped
+    work = poisson_workload(CAL, 8.0, 500, seed=2)
+    flat = {k: v for k, v in at_rate(cal, work.rate / 2).items() if k != "load_points"}
+    assert np.array_equal(simulate(cal, work, "fdfo", replicas=2).latency, simulate(flat, work, "fdfo", replicas=2).latency)
+
+
+@pytest.mark.parametrize("points", [[], [{"c0": 1, "c1": 0}], [{"rate": 0, "c0": 1, "c1": 0}],
+                                    [{"rate": 1, "c0": 1, "c1": 0}, {"rate": 1, "c0": 2, "c1": 0}], "x"])
+def test_bad_load_points_raise(points):
+    with pytest.raises(ValueError, match="load point|load_points"):
+        validate_calibration({**CAL, "load_points": points})
+
+
+def test_fits_clip_negative_coefficients():
     assert fit_step_cost([(1, 0.5), (8, 0.1)]) == (pytest.approx(0.3), 0.0)  # cost falling with rows
     c0, c1 = fit_step_cost([(1, 0.1), (2, 0.3), (3, 0.5)])  # line through c0 < 0
     assert c0 == 0.0 and c1 == pytest.approx(2.2 / 14)
     assert fit_step_cost([(4, 0.2), (4, 0.4)]) == (pytest.approx(0.3), 0.0)  # one batch size: all fixed
+    c0, c1, c2 = fit_step_cost_with_prefill([(1, 0, 0.5), (8, 0, 0.1), (1, 8, 0.9), (8, 8, 0.5)])
+    assert c1 == 0.0 and c0 == pytest.approx(0.3) and c2 == pytest.approx(0.05)  # rows clipped, refitted
 
 
 def test_calibration_round_trip(tmp_path):
@@ -165,7 +207,7 @@ def test_calibration_round_trip(tmp_path):
     save_calibration(CAL, path)
     on_disk = json.loads(path.read_text())
     assert set(on_disk) == {"c0", "c1", "max_batch", "steps_per_block", "blocks_per_request", "source",
-                            "step_cost_spread", "request_overhead_s"}
+                            "step_cost_spread", "request_overhead_s", "prefill_s"}
     loaded = load_calibration(path)
     assert loaded["c0"] == CAL["c0"] and loaded["steps_per_block"].keys() == CAL["steps_per_block"].keys()
 
