@@ -60,8 +60,8 @@ def add_bench_calibration_parser(targets) -> None:
     _target_options(bench, "--calibration-rates")
     bench.add_argument("--rates", type=rate_list, default=[6.0, 12.0, 18.0], metavar="R1,R2,...",
                        help="arrival rates to compare (default 6,12,18)")
-    bench.add_argument("--rate-duration", type=positive_number(float), default=60.0, metavar="S",
-                       help="seconds of arrivals per compared rate (default 60: a p99 needs many requests)")
+    bench.add_argument("--rate-requests", type=positive_number(int), default=800, metavar="N",
+                       help="Poisson arrivals per compared rate (default 800: a p99 needs many requests)")
     bench.add_argument("--policy", choices=POLICIES, default="fdfo", help="the replicas' mode (default fdfo)")
     bench.add_argument("--json", action="store_true", help="one JSON object")
     bench.set_defaults(func=run_bench_calibration)
@@ -98,7 +98,7 @@ def run_calibrate(args) -> int:
 
 def run_bench_calibration(args) -> int:
     def work() -> int:
-        result = asyncio.run(bench_calibration(_endpoint(args), _plan(args), args.rates, args.rate_duration,
+        result = asyncio.run(bench_calibration(_endpoint(args), _plan(args), args.rates, args.rate_requests,
                                                args.policy, quiet=args.quiet))
         print(json.dumps(result) if args.json else format_comparison(result))
         return 0

@@ -9,6 +9,7 @@ A calibration is one JSON object::
      "steps_per_block": {"2": 0.70, "3": 0.12, ...},   # P(a block takes s steps)
      "blocks_per_request": {"2": 0.17, ...},           # P(a request has k blocks)
      "step_cost_spread": [0.8, 0.9, 1.0, 1.3],   # optional, default [1.0]
+     "step_cost_correlation": 0.3,               # optional, default 0
      "request_overhead_s": [0.03, 0.04, 0.06],  # optional, default 0
      "load_points": [{"rate": 4, "c0": ..., "c1": ..., "prefill_s": ..., "step_cost_spread": [...],
                       "request_overhead_s": [...]}, {"rate": 20, ...}],     # optional
@@ -16,7 +17,9 @@ A calibration is one JSON object::
 
 so one step of a batch of b rows, k of them starting (their prompts computed in it), costs
 ``c0 + c1 * b + prefill_s * k`` seconds times a multiplier drawn from ``step_cost_spread``
-(equally likely values: how real steps scatter around the fit).
+(equally likely values: how real steps scatter around the fit), picked so that
+consecutive steps' multipliers have the lag-1 ``step_cost_correlation`` (slow steps come
+in runs).
 Distributions are stored normalized, keys are positive integers (JSON strings on disk).
 ``request_overhead_s`` (a number or equally likely values) is the time a request spends
 outside the engine (HTTP, proxy, ingress, routing, streaming back), drawn per request and
@@ -88,7 +91,7 @@ def _values(raw, name: str, positive: bool) -> list[float]:
     return values
 
 
-LOAD_FIELDS = ("c0", "c1", "prefill_s", "step_cost_spread", "request_overhead_s")
+LOAD_FIELDS = ("c0", "c1", "prefill_s", "step_cost_spread", "step_cost_correlation", "request_overhead_s")
 
 
 def _number(raw: Mapping, name: str, default: float | None = None) -> float:
@@ -110,8 +113,12 @@ def _load_fields(raw: Mapping) -> dict:
     c0, c1 = _number(raw, "c0"), _number(raw, "c1")
     if c0 + c1 <= 0:
         raise ValueError(f"calibration: need c0 + c1 > 0, got c0={c0}, c1={c1}")
+    correlation = _number(raw, "step_cost_correlation", 0.0)
+    if correlation >= 1:
+        raise ValueError(f"calibration: step_cost_correlation must be in [0, 1), got {correlation}")
     return {"c0": c0, "c1": c1, "prefill_s": _number(raw, "prefill_s", 0.0),
             "step_cost_spread": _values(raw.get("step_cost_spread", [1.0]), "step_cost_spread", positive=True),
+            "step_cost_correlation": correlation,
             "request_overhead_s": _values(raw.get("request_overhead_s", 0.0), "request_overhead_s",
                                           positive=False)}
 

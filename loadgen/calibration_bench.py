@@ -1,9 +1,10 @@
 """`dllm-serve bench calibration`: does the simulator predict the live cluster?
 
 Calibrates once on the live cluster (`loadgen.live_calibration`, by default at a light and
-a heavy load), then for each compared rate runs a Poisson load (other arrivals and
-prompts than the calibration's) against the cluster and through the simulator, and
-prints the p50/p99 latency of both and their ratios side by side.
+a heavy load), then for each compared rate runs a Poisson load of the same number of
+requests (so every p99 rests on as many; other arrivals and prompts than the
+calibration's) against the cluster and through the simulator, and prints the p50/p99
+latency of both and their ratios side by side.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def holds(rows: list[dict], tolerance: float = TOLERANCE) -> bool:
 
 
 async def bench_calibration(endpoint: client.Endpoint, plan: CalibrationPlan, rates: list[float],
-                            duration_s: float, policy: str = "fdfo", sim_requests: int = 4000,
+                            requests: int, policy: str = "fdfo", sim_requests: int = 4000,
                             quiet: bool = False) -> dict:
     calibration = await calibrate(endpoint, plan, quiet)
     rows = []
@@ -48,7 +49,7 @@ async def bench_calibration(endpoint: client.Endpoint, plan: CalibrationPlan, ra
         endpoint = replace(endpoint, model=endpoint.model or await client.first_model(http))
         seed = plan.seed + 1  # other arrivals and prompts than the calibration's
         for rate in rates:
-            times = poisson_times(rate, seed, duration_s)
+            times = poisson_times(rate, seed, count=requests)
             arrivals = with_prompts(times, tiny_prompts(len(times), seed))
             records = await run_open_loop(arrivals, lambda i, a, s: client.send(http, endpoint, i, a, s),
                                           None if quiet else Progress(len(arrivals), f"rate {rate:g}/s "))

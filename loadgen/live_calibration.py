@@ -35,7 +35,7 @@ import numpy as np
 
 from loadgen import client
 from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
-from loadgen.calibration import validate_calibration
+from loadgen.calibration import LOAD_FIELDS, validate_calibration
 from loadgen.records import OK, LoadgenError, Record
 from loadgen.runner import Progress, run_open_loop
 from replicas.cost_model import step_calibration
@@ -99,7 +99,7 @@ async def _load_point(http: httpx.AsyncClient, endpoint: client.Endpoint, rate: 
                                   None if quiet else Progress(len(arrivals), f"calibration at {rate:g}/s "))
     await asyncio.sleep(REPORT_LAG_S)  # the replicas' last records reach the metrics actor
     pooled = pool_reports(await fetch_calibration(http, time.monotonic() - started))
-    point = {"rate": rate / plan.replicas, **{k: pooled[k] for k in ("c0", "c1", "prefill_s", "step_cost_spread")},
+    point = {"rate": rate / plan.replicas, **{k: pooled[k] for k in LOAD_FIELDS if k != "request_overhead_s"},
              "request_overhead_s": request_overheads(records)}
     return point, pooled
 

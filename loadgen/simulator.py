@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from statistics import NormalDist
 from collections import deque
 from dataclasses import dataclass
 from typing import Mapping
@@ -43,6 +44,7 @@ from loadgen.calibration import at_rate, validate_calibration
 from replicas.fill_timeout import batch_capacity, fdfo_hold, optimal_fill_timeout
 
 POLICIES = ("static", "sync", "fixed_fill", "fdfo")
+_NORMAL = NormalDist()
 _DENOISE, _BLOCK_DONE, _FINISHED = 0, 1, 2
 
 
@@ -227,11 +229,27 @@ class _Replica:
 
 class _Spread:
     """End times of consecutive steps whose costs scatter around the fit: each step's cost
-    is multiplied by an equally likely value of the calibration's ``step_cost_spread``."""
+    is multiplied by one of the calibration's equally likely ``step_cost_spread`` values.
+    Slow steps come in runs (another process holds the CPU for a while): the value is
+    picked through a Gaussian AR(1) with the calibration's lag-1 ``step_cost_correlation``
+    (a Gaussian copula, so each step's multiplier still has the measured distribution)."""
 
-    def __init__(self, multipliers: list[float], rng: np.random.Generator):
-        self.multipliers = np.asarray(multipliers, dtype=float)
+    def __init__(self, multipliers: list[float], correlation: float, rng: np.random.Generator):
+        self.multipliers = np.sort(np.asarray(multipliers, dtype=float))
+        self.rho = correlation
         self.rng = rng
+        self.state = 0.0
+
+    def _draw(self, count: int) -> np.ndarray:
+        n = len(self.multipliers)
+        if self.rho == 0:
+            return self.multipliers[self.rng.integers(n, size=count)]
+        noise = self.rng.standard_normal(count) * math.sqrt(1 - self.rho ** 2)
+        picks = np.empty(count, dtype=np.int64)
+        for i in range(count):
+            self.state = self.rho * self.state + noise[i]
+            picks[i] = min(int(_NORMAL.cdf(self.state) * n), n - 1)
+        return self.multipliers[picks]
 
     def step_ends(self, now: float, step: float, count: int, first_extra: float = 0.0) -> list[float]:
         """When each of ``count`` steps of ``step`` seconds ends; the first costs
@@ -239,7 +257,7 @@ class _Spread:
         if len(self.multipliers) == 1:
             cost = step * float(self.multipliers[0])
             return [now + first_extra * float(self.multipliers[0]) + k * cost for k in range(1, count + 1)]
-        drawn = self.multipliers[self.rng.integers(len(self.multipliers), size=count)]
+        drawn = self._draw(count)
         costs = step * drawn
         costs[0] += first_extra * drawn[0]
         return (now + np.cumsum(costs)).tolist()
@@ -295,7 +313,7 @@ def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: in
     hold_rate = rate if policy == "fdfo" and fdfo_fill_hold else None
     ledger = _Ledger(workload, admission_cost(cal, cost_quantile))
     rng = np.random.default_rng([workload.seed, 2])
-    spread = _Spread(cal["step_cost_spread"], rng)
+    spread = _Spread(cal["step_cost_spread"], cal["step_cost_correlation"], rng)
     fleet = [_Replica(ledger, policy, cal["max_batch"], cal["c0"], cal["c1"], tau or 0.0, hold_rate, spread,
                       cal["prefill_s"]) for _ in range(replicas)]
     limit = math.inf if max_step_debt is None else max_step_debt * replicas

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from statistics import NormalDist
 from collections import Counter, deque
 from collections.abc import Iterable
 
@@ -19,6 +20,7 @@ from replicas.fill_timeout import fdfo_hold, optimal_fill_timeout
 
 
 RATE_WINDOW_S = 2.0
+_NORMAL = NormalDist()
 
 
 def fit_step_cost(step_records: Iterable[tuple[int, float]]) -> tuple[float, float]:
@@ -67,17 +69,30 @@ def step_calibration(step_records: Iterable[tuple[int, int, float]], prompt_unit
                      points: int = 100) -> dict:
     """The step-cost part of a simulator calibration from (rows, prompt units, seconds) of
     real steps: ``c0 + c1 * rows`` per step, ``prefill_s`` more for each request whose
-    prompt the step computes (``c2`` x its mean prompt units), and ``step_cost_spread``:
+    prompt the step computes (``c2`` x its mean prompt units), ``step_cost_spread``:
     measured seconds over the fit as ``points`` equally likely multipliers (how much real
-    steps scatter, e.g. when other processes take the CPU for a while)."""
+    steps scatter, e.g. when other processes take the CPU for a while), and
+    ``step_cost_correlation`` of consecutive steps' multipliers (records in time order)."""
     data = np.asarray(list(step_records), dtype=float).reshape(-1, 3)
     c0, c1, c2 = fit_step_cost_with_prefill(data)
     fitted = c0 + c1 * data[:, 0] + c2 * data[:, 1]
     if np.any(fitted <= 0):
         raise ValueError("step calibration: the fitted cost is not positive for every step")
-    ratios = np.quantile(data[:, 2] / fitted, (np.arange(points) + 0.5) / points)
+    ratios = data[:, 2] / fitted
+    spread = np.quantile(ratios, (np.arange(points) + 0.5) / points)
     return {"c0": c0, "c1": c1, "prefill_s": c2 * prompt_units_per_request,
-            "step_cost_spread": [round(float(r), 4) for r in ratios]}
+            "step_cost_spread": [round(float(r), 4) for r in spread],
+            "step_cost_correlation": lag1_rank_correlation(ratios)}
+
+
+def lag1_rank_correlation(series: np.ndarray) -> float:
+    """Correlation of consecutive values' normal scores (ranks through the normal quantile
+    function), clipped to [0, 0.99]: how much a slow step predicts a slow next step."""
+    if len(series) < 3:
+        return 0.0
+    ranks = np.argsort(np.argsort(series, kind="stable"), kind="stable")
+    scores = np.array([_NORMAL.inv_cdf((r + 0.5) / len(series)) for r in ranks])
+    return round(float(np.clip(np.corrcoef(scores[:-1], scores[1:])[0, 1], 0.0, 0.99)), 4)
 
 
 class OnlineCostModel:

@@ -81,7 +81,7 @@ def test_bench_calibration_prints_both_sides(tiny_cluster, request):
     replicas = request.node.callspec.params["tiny_cluster"]
     run = _cli("bench", "calibration", "--url", tiny_cluster.base_url, "--calibration-rates", "4,12",
                "--duration", "3",
-               "--rates", "4,10", "--rate-duration", "3", "--replicas", str(replicas),
+               "--rates", "4,10", "--rate-requests", "20", "--replicas", str(replicas),
                "--json", "--quiet")
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout)

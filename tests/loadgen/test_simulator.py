@@ -8,8 +8,8 @@ import pytest
 from cluster.cli import main
 from loadgen.calibration import (DEFAULT_CALIBRATION, at_rate, fit_calibration, load_calibration,
                                  save_calibration, validate_calibration)
-from replicas.cost_model import fit_step_cost, fit_step_cost_with_prefill
-from loadgen.simulator import (POLICIES, Workload, find_max_rate, find_replicas, fixed_fill_capacity,
+from replicas.cost_model import fit_step_cost, fit_step_cost_with_prefill, lag1_rank_correlation
+from loadgen.simulator import (POLICIES, _Spread, Workload, find_max_rate, find_replicas, fixed_fill_capacity,
                                poisson_workload, run, simulate, slo_attainment, summarize, throughput_bound,
                                trace_workload)
 
@@ -169,6 +169,25 @@ def test_request_overhead_prefill_and_step_spread_enter_the_simulation():
     assert np.percentile(busy, 50) > np.percentile(plain.latency, 50) + 0.05  # others wait for the prompts too
 
 
+def test_slow_steps_in_runs_keep_the_spread_and_its_correlation():
+    rng = np.random.default_rng(4)
+    ar = np.zeros(20000)
+    for i in range(1, len(ar)):
+        ar[i] = 0.7 * ar[i - 1] + np.sqrt(1 - 0.49) * rng.standard_normal()
+    assert lag1_rank_correlation(np.exp(ar)) == pytest.approx(0.7, abs=0.03)  # any monotone transform
+    assert lag1_rank_correlation(rng.random(5000)) < 0.05
+    spread = _Spread([0.5, 1.0, 1.5, 3.0], 0.7, np.random.default_rng(1))
+    ends = np.asarray(spread.step_ends(0.0, 1.0, 20000))
+    drawn = np.diff(np.concatenate([[0.0], ends]))
+    assert [np.mean(np.isclose(drawn, v)) for v in (0.5, 1.0, 1.5, 3.0)] == pytest.approx([0.25] * 4, abs=0.03)
+    assert lag1_rank_correlation(drawn + rng.random(20000) * 1e-6) == pytest.approx(0.6, abs=0.1)  # 4 levels
+    work = poisson_workload(CAL, 0.6 * throughput_bound(CAL), 3000, seed=8)
+    scattered = {**CAL, "step_cost_spread": [0.5, 1.0, 1.5]}
+    independent = simulate(scattered, work, "fdfo").latency
+    in_runs = simulate({**scattered, "step_cost_correlation": 0.9}, work, "fdfo").latency
+    assert np.percentile(in_runs, 99) > 1.1 * np.percentile(independent, 99)
+
+
 def test_load_points_are_interpolated_in_the_rate_per_replica():
     light = {"rate": 2.0, "c0": 0.004, "c1": 0.001, "prefill_s": 0.002, "step_cost_spread": [0.8, 1.2],
              "request_overhead_s": [0.02, 0.04]}
@@ -207,7 +226,7 @@ def test_calibration_round_trip(tmp_path):
     save_calibration(CAL, path)
     on_disk = json.loads(path.read_text())
     assert set(on_disk) == {"c0", "c1", "max_batch", "steps_per_block", "blocks_per_request", "source",
-                            "step_cost_spread", "request_overhead_s", "prefill_s"}
+                            "step_cost_spread", "step_cost_correlation", "request_overhead_s", "prefill_s"}
     loaded = load_calibration(path)
     assert loaded["c0"] == CAL["c0"] and loaded["steps_per_block"].keys() == CAL["steps_per_block"].keys()
 
