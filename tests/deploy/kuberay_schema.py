@@ -1,4 +1,8 @@
-"""KubeRay's CRD schemas (../shared/kuberay-crds) as JSON Schema, for offline validation.
+"""KubeRay's CRD schemas as JSON Schema, for offline validation.
+
+``crds/`` holds KubeRay 1.7's RayService CRD (Apache-2.0), gzipped: the copy in
+``../shared/kuberay-crds`` next to a checkout, which a clean clone may not have (a test
+keeps the two equal where both exist).
 
 The openAPIV3Schema is JSON Schema but for Kubernetes' extensions: ``nullable``,
 ``x-kubernetes-int-or-string`` (an int or a string) and ``x-kubernetes-preserve-unknown-fields``
@@ -6,13 +10,19 @@ The openAPIV3Schema is JSON Schema but for Kubernetes' extensions: ``nullable``,
 (``additionalProperties: false``), so a misspelt field fails instead of vanishing.
 """
 
+import gzip
 from functools import cache
 from pathlib import Path
 
 import jsonschema
 import yaml
 
-CRDS = Path(__file__).resolve().parents[3] / "shared" / "kuberay-crds"
+CRDS = Path(__file__).resolve().parent / "crds"
+SHARED_CRDS = Path(__file__).resolve().parents[3] / "shared" / "kuberay-crds"
+
+
+def crd_text(kind: str) -> str:
+    return gzip.decompress((CRDS / f"ray.io_{kind.lower()}s.yaml.gz").read_bytes()).decode()
 
 
 def to_json_schema(node):
@@ -35,7 +45,7 @@ def to_json_schema(node):
 
 @cache
 def crd_validator(kind: str, version: str = "v1") -> jsonschema.protocols.Validator:
-    crd = yaml.safe_load((CRDS / f"ray.io_{kind.lower()}s.yaml").read_text())
+    crd = yaml.safe_load(crd_text(kind))
     served = {v["name"]: v for v in crd["spec"]["versions"]}
     schema = to_json_schema(served[version]["schema"]["openAPIV3Schema"])
     jsonschema.Draft7Validator.check_schema(schema)

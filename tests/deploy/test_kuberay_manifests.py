@@ -12,7 +12,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import load_config
 from cluster.render import render_k8s
-from kuberay_schema import crd_errors
+from kuberay_schema import SHARED_CRDS, crd_errors, crd_text
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {"cpu": "deploy/config.cpu.yaml", "gpu": "deploy/config.gpu.yaml"}
@@ -101,3 +101,8 @@ def test_render_refuses_bad_input(args, message, capsys):
 
     assert main(["render", "k8s", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not SHARED_CRDS.is_dir(), reason="no ../shared/kuberay-crds next to this checkout")
+def test_vendored_crd_is_the_shared_one():
+    assert crd_text("RayService") == (SHARED_CRDS / "ray.io_rayservices.yaml").read_text()
