@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import ray
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
-from cluster.config import AppConfig
+from cluster.config import AppConfig, ConfigError
 from cluster.ingress import Ingress
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE, MetricsActor
 from replicas.deployment import EngineReplica
@@ -105,6 +107,19 @@ def start_metrics_actor(config: AppConfig):
     return ray.get(actor.ready.remote())
 
 
+def check_ports_free(config: AppConfig) -> None:
+    """``ConfigError`` naming the setting whose port on ``host`` is taken (before Ray starts)."""
+    ports = {"port": config.port, "metrics_port": config.metrics_port, "ray_metrics_port": config.ray_metrics_port}
+    for name, port in ports.items():
+        if port is None:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind((config.host, port))
+            except OSError as exc:
+                raise ConfigError(f"{name} {port} on {config.host} is not free: {exc.strerror}") from None
+
+
 def deploy(config: AppConfig, address: str | None = None) -> str:
     """Start (or connect to) Ray, the metrics actor and the Serve app; returns the metrics URL."""
     if address:
@@ -121,9 +136,14 @@ def deploy(config: AppConfig, address: str | None = None) -> str:
 
 
 def shutdown(config: AppConfig) -> None:
+    """Stop whatever ``deploy`` got to start (it may have failed half-way)."""
+    if not ray.is_initialized():
+        return
     try:
         serve.delete(config.name)
         serve.shutdown()
+    except RayServeException as exc:  # Serve never started
+        log.debug("no Serve instance to stop: %s", exc)
     finally:
         try:
             ray.kill(ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE))

@@ -326,7 +326,7 @@ def _check_model_default_algorithm(config, spec) -> None:
 
 
 def cmd_up(args) -> int:
-    from cluster.app import deploy, shutdown
+    from cluster.app import check_ports_free, deploy, shutdown
 
     from replicas.models import check_checkpoint
 
@@ -334,6 +334,8 @@ def cmd_up(args) -> int:
     replica = config.replica
     spec = check_checkpoint(config.model, replica.lora, replica.model_overrides)  # before any process starts
     _check_model_default_algorithm(config, spec)
+    if args.address is None:  # a local cluster: its ports must be free
+        check_ports_free(config)
     stop = threading.Event()
     print(f"starting dllm-serve: model {config.model_name}, {config.autoscaling.min_replicas}"
           f"-{config.autoscaling.max_replicas} replica(s), mode {config.replica.mode.value}", flush=True)

@@ -1,5 +1,6 @@
 """The app config: YAML, overrides, clear errors, and the CLI's handling of them."""
 
+import socket
 import subprocess
 import sys
 
@@ -58,6 +59,18 @@ def test_up_checks_params_of_the_models_default_algorithm_before_starting(capsys
 
     assert main(["up", "--set", "algorithm.params.nope=1"]) == 2  # no algorithm.name: the model's own
     assert "the model's default low_confidence" in capsys.readouterr().err
+
+
+def test_up_refuses_a_taken_port_before_starting_ray():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--set", f"metrics_port={port}"],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"metrics_port {port} on 127.0.0.1 is not free" in result.stderr and "Traceback" not in result.stderr
+    assert "starting dllm-serve" not in result.stdout
 
 
 def test_up_help_documents_every_setting():
