@@ -13,8 +13,7 @@ from dataclasses import replace
 
 from loadgen import client, simulator
 from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
-from loadgen.live_calibration import CalibrationPlan, calibrate
-from loadgen.runner import Progress, run_open_loop
+from loadgen.live_calibration import CalibrationPlan, calibrate, measure_load
 from loadgen.stats import summarize
 
 TOLERANCE = 0.2  # the simulator "holds" when every predicted percentile is within 20 %
@@ -24,19 +23,21 @@ def _ratio(predicted: float | None, measured: float | None) -> float | None:
     return round(predicted / measured, 3) if predicted is not None and measured else None
 
 
-def compare_row(rate: float, live: dict, simulated: dict) -> dict:
-    """Live and simulated p50/p99 latency at one rate, with simulated/live ratios."""
+def compare_row(rate: float, live: dict, simulated: dict, replayed: dict) -> dict:
+    """Live p50/p99 latency at one rate against the prediction (``sim``) and against the
+    simulator fed this run's own measured costs (``replay``), with their ratios to live."""
     row = {"rate": rate, "live_completed": live["completed"], "live_refused": live["refused"]}
     for q in (50, 99):
-        measured, predicted = live["latency_s"][f"p{q}"], simulated[f"latency_p{q}_s"]
+        measured = live["latency_s"][f"p{q}"]
         row[f"live_p{q}_s"] = measured
-        row[f"sim_p{q}_s"] = predicted
-        row[f"sim_over_live_p{q}"] = _ratio(predicted, measured)
+        for name, summary in (("sim", simulated), ("replay", replayed)):
+            row[f"{name}_p{q}_s"] = summary[f"latency_p{q}_s"]
+            row[f"{name}_over_live_p{q}"] = _ratio(summary[f"latency_p{q}_s"], measured)
     return row
 
 
-def holds(rows: list[dict], tolerance: float = TOLERANCE) -> bool:
-    ratios = [row[f"sim_over_live_p{q}"] for row in rows for q in (50, 99)]
+def holds(rows: list[dict], name: str = "sim", tolerance: float = TOLERANCE) -> bool:
+    ratios = [row[f"{name}_over_live_p{q}"] for row in rows for q in (50, 99)]
     return all(r is not None and abs(r - 1) <= tolerance for r in ratios)
 
 
@@ -51,22 +52,31 @@ async def bench_calibration(endpoint: client.Endpoint, plan: CalibrationPlan, ra
         for rate in rates:
             times = poisson_times(rate, seed, count=requests)
             arrivals = with_prompts(times, tiny_prompts(len(times), seed))
-            records = await run_open_loop(arrivals, lambda i, a, s: client.send(http, endpoint, i, a, s),
-                                          None if quiet else Progress(len(arrivals), f"rate {rate:g}/s "))
-            predicted = simulator.summarize(simulator.run(calibration, policy, rate, sim_requests, seed,
-                                                          replicas=plan.replicas))
-            rows.append(compare_row(rate, summarize(records, rate), predicted))
+            own, _, records = await measure_load(http, endpoint, rate, arrivals, plan.replicas,
+                                                 None if quiet else f"rate {rate:g}/s ")
+
+            def simulated(cal: dict) -> dict:
+                return simulator.summarize(simulator.run(cal, policy, rate, sim_requests, seed,
+                                                         replicas=plan.replicas))
+
+            rows.append(compare_row(rate, summarize(records, rate), simulated(calibration),
+                                    simulated({**calibration, "load_points": [own]})))
     return {"calibration": calibration, "policy": policy, "replicas": plan.replicas, "rows": rows,
-            "tolerance": TOLERANCE, "holds": holds(rows)}
+            "tolerance": TOLERANCE, "holds": holds(rows), "replay_holds": holds(rows, "replay")}
 
 
 def format_comparison(result: dict) -> str:
     lines = [f"calibration: {result['calibration']['source']}",
-             f"{'rate/s':>7} {'live p50':>9} {'sim p50':>8} {'ratio':>6} {'live p99':>9} {'sim p99':>8} {'ratio':>6}"]
+             "sim: predicted from the calibration; replay: fed the costs measured during that rate's own run",
+             f"{'rate/s':>7} {'live p50':>9} {'sim':>6} {'ratio':>6} {'replay':>7} {'ratio':>6} "
+             f"{'live p99':>9} {'sim':>6} {'ratio':>6} {'replay':>7} {'ratio':>6}"]
     for row in result["rows"]:
-        lines.append(f"{row['rate']:>7g} {row['live_p50_s']:>9.3f} {row['sim_p50_s']:>8.3f} "
-                     f"{row['sim_over_live_p50']:>6.2f} {row['live_p99_s']:>9.3f} {row['sim_p99_s']:>8.3f} "
-                     f"{row['sim_over_live_p99']:>6.2f}")
-    verdict = "holds" if result["holds"] else "does NOT hold"
-    lines.append(f"calibration {verdict} (every ratio within {result['tolerance']:.0%} of 1)")
+        cells = [f"{row['rate']:>7g}"]
+        for q in (50, 99):
+            cells.append(f"{row[f'live_p{q}_s']:>9.3f} {row[f'sim_p{q}_s']:>6.3f} {row[f'sim_over_live_p{q}']:>6.2f} "
+                         f"{row[f'replay_p{q}_s']:>7.3f} {row[f'replay_over_live_p{q}']:>6.2f}")
+        lines.append(" ".join(cells))
+    for name, key in (("prediction", "holds"), ("replay", "replay_holds")):
+        verdict = "holds" if result[key] else "does NOT hold"
+        lines.append(f"{name} {verdict} (every ratio within {result['tolerance']:.0%} of 1)")
     return "\n".join(lines)

@@ -89,19 +89,18 @@ def request_overheads(records: list[Record], points: int = 100) -> list[float]:
     return [max(0.0, round(float(g), 5)) for g in np.quantile(gaps, (np.arange(points) + 0.5) / points)]
 
 
-async def _load_point(http: httpx.AsyncClient, endpoint: client.Endpoint, rate: float, plan: CalibrationPlan,
-                      quiet: bool) -> tuple[dict, dict]:
-    """Poisson load at ``rate``; returns the load point and the pooled replica reports."""
-    times = poisson_times(rate, plan.seed, plan.duration_s)
-    arrivals = with_prompts(times, tiny_prompts(len(times), plan.seed))
+async def measure_load(http: httpx.AsyncClient, endpoint: client.Endpoint, rate: float, arrivals: list,
+                       replicas: int, label: str | None) -> tuple[dict, dict, list[Record]]:
+    """Send ``arrivals``; returns the load point measured meanwhile (at ``rate`` / replicas),
+    the pooled replica reports and the client's records."""
     started = time.monotonic()
     records = await run_open_loop(arrivals, lambda i, a, s: client.send(http, endpoint, i, a, s),
-                                  None if quiet else Progress(len(arrivals), f"calibration at {rate:g}/s "))
+                                  None if label is None else Progress(len(arrivals), label))
     await asyncio.sleep(REPORT_LAG_S)  # the replicas' last records reach the metrics actor
     pooled = pool_reports(await fetch_calibration(http, time.monotonic() - started))
-    point = {"rate": rate / plan.replicas, **{k: pooled[k] for k in LOAD_FIELDS if k != "request_overhead_s"},
+    point = {"rate": rate / replicas, **{k: pooled[k] for k in LOAD_FIELDS if k != "request_overhead_s"},
              "request_overhead_s": request_overheads(records)}
-    return point, pooled
+    return point, pooled, records
 
 
 async def calibrate(endpoint: client.Endpoint, plan: CalibrationPlan, quiet: bool = False) -> dict:
@@ -110,7 +109,10 @@ async def calibrate(endpoint: client.Endpoint, plan: CalibrationPlan, quiet: boo
     async with client.make_client(endpoint) as http:
         endpoint = replace(endpoint, model=endpoint.model or await client.first_model(http))
         for rate in plan.rates:
-            point, pooled = await _load_point(http, endpoint, rate, plan, quiet)
+            times = poisson_times(rate, plan.seed, plan.duration_s)
+            arrivals = with_prompts(times, tiny_prompts(len(times), plan.seed))
+            point, pooled, _ = await measure_load(http, endpoint, rate, arrivals, plan.replicas,
+                                                  None if quiet else f"calibration at {rate:g}/s ")
             points.append(point)
             steps.update(pooled["steps_per_block"])
             blocks.update(pooled["blocks_per_request"])

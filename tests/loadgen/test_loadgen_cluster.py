@@ -89,8 +89,11 @@ def test_bench_calibration_prints_both_sides(tiny_cluster, request):
     for row in result["rows"]:
         assert row["live_completed"] > 0 and row["live_refused"] == 0
         for q in (50, 99):
-            assert row[f"sim_over_live_p{q}"] == pytest.approx(row[f"sim_p{q}_s"] / row[f"live_p{q}_s"], abs=1e-3)
-    assert result["holds"] == all(abs(row[f"sim_over_live_p{q}"] - 1) <= 0.2 for row in result["rows"]
+            for name in ("sim", "replay"):
+                assert row[f"{name}_over_live_p{q}"] == pytest.approx(row[f"{name}_p{q}_s"] / row[f"live_p{q}_s"],
+                                                                      abs=1e-3)
+    for name, key in (("sim", "holds"), ("replay", "replay_holds")):
+        assert result[key] == all(abs(row[f"{name}_over_live_p{q}"] - 1) <= 0.2 for row in result["rows"]
                                   for q in (50, 99))
 
 
