@@ -8,7 +8,6 @@ to the metrics actor (looked up by name) every ``stats_period_s``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time

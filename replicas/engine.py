@@ -198,7 +198,7 @@ class Engine:
             running=len(self.scheduler.running),
             blocks_committed=len(committed),
             block_steps=tuple(committed),
-            prompt_units=int((~batch.unit_is_block).sum()),
+            prompt_units=len(batch.unit_is_block) - len(batch.block_rows),
         )
         self.totals.record(stats)
         self.cost_model.observe_step(stats.batch_size, stats.step_s, stats.block_steps)

@@ -5,7 +5,6 @@ import random
 import time
 
 import pytest
-import torch
 
 import algorithms.base
 from algorithms import AlgorithmParams, DllmAlgorithm

@@ -8,7 +8,7 @@ bidirectional (LLaDA, Dream; Dream's logits read one position earlier).
 import pytest
 import torch
 
-from checkpoint_builders import CHECKPOINTS, OVERRIDES
+from checkpoint_builders import OVERRIDES
 from replicas.attention import DenseAttentionContext
 from replicas.engine import Engine, EngineConfig
 from replicas.request import SamplingParams
