@@ -9,7 +9,7 @@ A calibration is one JSON object::
      "steps_per_block": {"2": 0.70, "3": 0.12, ...},   # P(a block takes s steps)
      "blocks_per_request": {"2": 0.17, ...},           # P(a request has k blocks)
      "step_cost_spread": [0.8, 0.9, 1.0, 1.3],   # optional, default [1.0]
-     "step_cost_correlation": 0.3,               # optional, default 0
+     "step_cost_path": [0.51, 0.93, 0.88, 0.12, ...],  # optional, default none
      "request_overhead_s": [0.03, 0.04, 0.06],  # optional, default 0
      "load_points": [{"rate": 4, "c0": ..., "c1": ..., "prefill_s": ..., "step_cost_spread": [...],
                       "request_overhead_s": [...]}, {"rate": 20, ...}],     # optional
@@ -17,9 +17,11 @@ A calibration is one JSON object::
 
 so one step of a batch of b rows, k of them starting (their prompts computed in it), costs
 ``c0 + c1 * b + prefill_s * k`` seconds times a multiplier drawn from ``step_cost_spread``
-(equally likely values: how real steps scatter around the fit), picked so that
-consecutive steps' multipliers have the lag-1 ``step_cost_correlation`` (slow steps come
-in runs).
+(equally likely values: how real steps scatter around the fit). Without a
+``step_cost_path`` the multipliers are drawn independently; with one (levels in [0, 1],
+the measured multipliers' ranks in time order) the simulator plays it, from a random
+start and round again, and each step takes the multiplier at its level: slow steps then
+come in runs as long as the measured ones.
 Distributions are stored normalized, keys are positive integers (JSON strings on disk).
 ``request_overhead_s`` (a number or equally likely values) is the time a request spends
 outside the engine (HTTP, proxy, ingress, routing, streaming back), drawn per request and
@@ -30,8 +32,8 @@ them on a live cluster.
 ``load_points`` (optional) hold the step costs and overheads measured at several arrival
 rates per replica, because on a shared machine the serving path takes CPU from the
 engine as load grows. ``at_rate(calibration, rate)`` interpolates them linearly in the
-rate (clamped to the measured range; spreads and overheads quantile by quantile), and
-the top-level values are those of the lowest rate.
+rate (clamped to the measured range; spreads and overheads quantile by quantile; a path
+is taken from the nearer point), and the top-level values are those of the lowest rate.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def _values(raw, name: str, positive: bool) -> list[float]:
     return values
 
 
-LOAD_FIELDS = ("c0", "c1", "prefill_s", "step_cost_spread", "step_cost_correlation", "request_overhead_s")
+LOAD_FIELDS = ("c0", "c1", "prefill_s", "step_cost_spread", "step_cost_path", "request_overhead_s")
 
 
 def _number(raw: Mapping, name: str, default: float | None = None) -> float:
@@ -113,12 +115,13 @@ def _load_fields(raw: Mapping) -> dict:
     c0, c1 = _number(raw, "c0"), _number(raw, "c1")
     if c0 + c1 <= 0:
         raise ValueError(f"calibration: need c0 + c1 > 0, got c0={c0}, c1={c1}")
-    correlation = _number(raw, "step_cost_correlation", 0.0)
-    if correlation >= 1:
-        raise ValueError(f"calibration: step_cost_correlation must be in [0, 1), got {correlation}")
+    path = raw.get("step_cost_path", [])
+    if not isinstance(path, (list, tuple)) or (path and not all(0 <= v <= 1 for v in _values(
+            path, "step_cost_path", positive=False))):
+        raise ValueError("calibration: step_cost_path must be a list of levels in [0, 1]")
     return {"c0": c0, "c1": c1, "prefill_s": _number(raw, "prefill_s", 0.0),
             "step_cost_spread": _values(raw.get("step_cost_spread", [1.0]), "step_cost_spread", positive=True),
-            "step_cost_correlation": correlation,
+            "step_cost_path": [float(v) for v in path],
             "request_overhead_s": _values(raw.get("request_overhead_s", 0.0), "request_overhead_s",
                                           positive=False)}
 
@@ -163,8 +166,11 @@ def validate_calibration(raw: Mapping) -> dict:
     return checked
 
 
-def _interpolate(low, high, weight: float):
-    """Linear interpolation of numbers, or of equally likely values quantile by quantile."""
+def _interpolate(name: str, low, high, weight: float):
+    """Linear interpolation of numbers, or of equally likely values quantile by quantile;
+    a path (a sequence, not a distribution) is the nearer point's."""
+    if name == "step_cost_path":
+        return low if weight < 0.5 else high
     if isinstance(low, list):
         points = max(len(low), len(high))
         grid = (np.arange(points) + 0.5) / points
@@ -185,7 +191,7 @@ def at_rate(calibration: Mapping, rate: float) -> dict:
     low, high = points[max(upper - 1, 0)], points[upper]
     span = high["rate"] - low["rate"]
     weight = min(max((rate - low["rate"]) / span, 0.0), 1.0) if span > 0 else 0.0
-    return {**cal, **{k: _interpolate(low[k], high[k], weight) for k in LOAD_FIELDS}}
+    return {**cal, **{k: _interpolate(k, low[k], high[k], weight) for k in LOAD_FIELDS}}
 
 
 def fit_calibration(step_records: Iterable[tuple[int, int, float]], block_steps: Iterable[int],

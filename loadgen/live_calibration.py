@@ -9,8 +9,9 @@ streaming back). So `dllm-serve calibrate` measures on the live cluster, under P
 per rate:
 
 * step cost: the replica's busy-step periods (wall clock between back-to-back steps, the
-  contention included) give ``c0 + c1 * rows + prefill_s * starting requests`` and
-  ``step_cost_spread``;
+  contention included) give ``c0 + c1 * rows + prefill_s * starting requests``, fitted
+  over all loads at once with c0 per load (`replicas.cost_model.fit_step_cost_by_load`),
+  and ``step_cost_spread`` and ``step_cost_path`` per load;
 * ``request_overhead_s``: each completed request's client latency minus the time it spent
   in the replica (``dllm.engine_s`` of its last chunk), as 100 equally likely values;
 * steps per block and blocks per request: the replica's finished requests, all rates pooled.
@@ -38,7 +39,7 @@ from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
 from loadgen.calibration import LOAD_FIELDS, validate_calibration
 from loadgen.records import OK, LoadgenError, Record
 from loadgen.runner import Progress, run_open_loop
-from replicas.cost_model import step_calibration
+from replicas.cost_model import fit_step_cost_by_load, step_calibration
 
 CALIBRATION_PATH = "/v1/dllm/calibration"
 REPORT_LAG_S = 2.0  # replicas report every stats_period_s (0.5 s by default)
@@ -76,7 +77,8 @@ def pool_reports(answer: dict) -> dict:
     counts = {name: sum((Counter({int(k): v for k, v in report[name].items()}) for report in reports), Counter())
               for name in ("steps_per_block", "blocks_per_request")}
     return {**step_calibration(periods, units_per_request), **counts, "max_batch": answer["max_batch"],
-            "replicas_stepping": sum(1 for report in reports if report["step_periods"])}
+            "replicas_stepping": sum(1 for report in reports if report["step_periods"]),
+            "step_periods": periods, "prompt_units_per_request": units_per_request}
 
 
 def request_overheads(records: list[Record], points: int = 100) -> list[float]:
@@ -105,7 +107,7 @@ async def measure_load(http: httpx.AsyncClient, endpoint: client.Endpoint, rate:
 
 async def calibrate(endpoint: client.Endpoint, plan: CalibrationPlan, quiet: bool = False) -> dict:
     """A validated calibration of the cluster behind ``endpoint`` (see the module doc)."""
-    points, steps, blocks, heard = [], Counter(), Counter(), 0
+    points, loads, steps, blocks, heard = [], [], Counter(), Counter(), 0
     async with client.make_client(endpoint) as http:
         endpoint = replace(endpoint, model=endpoint.model or await client.first_model(http))
         for rate in plan.rates:
@@ -114,9 +116,13 @@ async def calibrate(endpoint: client.Endpoint, plan: CalibrationPlan, quiet: boo
             point, pooled, _ = await measure_load(http, endpoint, rate, arrivals, plan.replicas,
                                                   None if quiet else f"calibration at {rate:g}/s ")
             points.append(point)
+            loads.append(pooled)
             steps.update(pooled["steps_per_block"])
             blocks.update(pooled["blocks_per_request"])
             heard = max(heard, pooled["replicas_stepping"])
+    c0s, c1, c2 = fit_step_cost_by_load([load["step_periods"] for load in loads])
+    for point, load, c0 in zip(points, loads, c0s):
+        point.update(step_calibration(load["step_periods"], load["prompt_units_per_request"], cost=(c0, c1, c2)))
     described = ", ".join(f"{p['rate']:g}/s: c0 {p['c0'] * 1e3:.1f} ms, c1 {p['c1'] * 1e3:.2f} ms, "
                           f"overhead {statistics.median(p['request_overhead_s']) * 1e3:.0f} ms" for p in points)
     return validate_calibration({

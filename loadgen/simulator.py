@@ -22,7 +22,8 @@ ends; admission refuses when the cluster's outstanding charge would pass
 ``max_step_debt`` per replica (an idle cluster always admits); routing sends to the
 replica with the least step debt (all replicas drain at the same rate, so least debt is
 least predicted drain time), ties in turn. Each step's cost is multiplied by a draw from
-the calibration's ``step_cost_spread``, and each request's latency and TTFB get a draw
+the calibration's ``step_cost_spread`` (in the order of its ``step_cost_path`` when it
+has one), and each request's latency and TTFB get a draw
 from its ``request_overhead_s`` (the request path outside the engine); with load points,
 these are taken at the workload's mean arrival rate per replica. Simplifications: prefill
 is fused with the first block's step, a replica's debt drops when a step or round starts,
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from statistics import NormalDist
 from collections import deque
 from dataclasses import dataclass
 from typing import Mapping
@@ -44,7 +44,6 @@ from loadgen.calibration import at_rate, validate_calibration
 from replicas.fill_timeout import batch_capacity, fdfo_hold, optimal_fill_timeout
 
 POLICIES = ("static", "sync", "fixed_fill", "fdfo")
-_NORMAL = NormalDist()
 _DENOISE, _BLOCK_DONE, _FINISHED = 0, 1, 2
 
 
@@ -229,26 +228,23 @@ class _Replica:
 
 class _Spread:
     """End times of consecutive steps whose costs scatter around the fit: each step's cost
-    is multiplied by one of the calibration's equally likely ``step_cost_spread`` values.
-    Slow steps come in runs (another process holds the CPU for a while): the value is
-    picked through a Gaussian AR(1) with the calibration's lag-1 ``step_cost_correlation``
-    (a Gaussian copula, so each step's multiplier still has the measured distribution)."""
+    is multiplied by one of the calibration's equally likely ``step_cost_spread`` values,
+    drawn independently, or, given a ``step_cost_path`` (measured levels in time order),
+    the value at the path's next level: the path is played from a random start and round
+    again, so that slow steps come in runs as long as the measured ones."""
 
-    def __init__(self, multipliers: list[float], correlation: float, rng: np.random.Generator):
+    def __init__(self, multipliers: list[float], path: list[float], rng: np.random.Generator):
         self.multipliers = np.sort(np.asarray(multipliers, dtype=float))
-        self.rho = correlation
+        n = len(self.multipliers)
+        self.path = np.minimum((np.asarray(path, dtype=float) * n).astype(np.int64), n - 1)
         self.rng = rng
-        self.state = 0.0
+        self.position = int(rng.integers(len(self.path))) if len(self.path) else 0
 
     def _draw(self, count: int) -> np.ndarray:
-        n = len(self.multipliers)
-        if self.rho == 0:
-            return self.multipliers[self.rng.integers(n, size=count)]
-        noise = self.rng.standard_normal(count) * math.sqrt(1 - self.rho ** 2)
-        picks = np.empty(count, dtype=np.int64)
-        for i in range(count):
-            self.state = self.rho * self.state + noise[i]
-            picks[i] = min(int(_NORMAL.cdf(self.state) * n), n - 1)
+        if not len(self.path):
+            return self.multipliers[self.rng.integers(len(self.multipliers), size=count)]
+        picks = self.path[(self.position + np.arange(count)) % len(self.path)]
+        self.position = (self.position + count) % len(self.path)
         return self.multipliers[picks]
 
     def step_ends(self, now: float, step: float, count: int, first_extra: float = 0.0) -> list[float]:
@@ -313,7 +309,7 @@ def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: in
     hold_rate = rate if policy == "fdfo" and fdfo_fill_hold else None
     ledger = _Ledger(workload, admission_cost(cal, cost_quantile))
     rng = np.random.default_rng([workload.seed, 2])
-    spread = _Spread(cal["step_cost_spread"], cal["step_cost_correlation"], rng)
+    spread = _Spread(cal["step_cost_spread"], cal["step_cost_path"], rng)
     fleet = [_Replica(ledger, policy, cal["max_batch"], cal["c0"], cal["c1"], tau or 0.0, hold_rate, spread,
                       cal["prefill_s"]) for _ in range(replicas)]
     limit = math.inf if max_step_debt is None else max_step_debt * replicas

@@ -8,7 +8,7 @@ import pytest
 from cluster.cli import main
 from loadgen.calibration import (DEFAULT_CALIBRATION, at_rate, fit_calibration, load_calibration,
                                  save_calibration, validate_calibration)
-from replicas.cost_model import fit_step_cost, fit_step_cost_with_prefill, lag1_rank_correlation
+from replicas.cost_model import fit_step_cost, fit_step_cost_by_load, fit_step_cost_with_prefill, step_calibration
 from loadgen.simulator import (POLICIES, _Spread, Workload, find_max_rate, find_replicas, fixed_fill_capacity,
                                poisson_workload, run, simulate, slo_attainment, summarize, throughput_bound,
                                trace_workload)
@@ -169,23 +169,38 @@ def test_request_overhead_prefill_and_step_spread_enter_the_simulation():
     assert np.percentile(busy, 50) > np.percentile(plain.latency, 50) + 0.05  # others wait for the prompts too
 
 
-def test_slow_steps_in_runs_keep_the_spread_and_its_correlation():
-    rng = np.random.default_rng(4)
-    ar = np.zeros(20000)
-    for i in range(1, len(ar)):
-        ar[i] = 0.7 * ar[i - 1] + np.sqrt(1 - 0.49) * rng.standard_normal()
-    assert lag1_rank_correlation(np.exp(ar)) == pytest.approx(0.7, abs=0.03)  # any monotone transform
-    assert lag1_rank_correlation(rng.random(5000)) < 0.05
-    spread = _Spread([0.5, 1.0, 1.5, 3.0], 0.7, np.random.default_rng(1))
-    ends = np.asarray(spread.step_ends(0.0, 1.0, 20000))
+def test_a_step_cost_path_is_played_in_order_and_keeps_the_spread():
+    levels = np.array([0.1, 0.3, 0.6, 0.9] * 50)
+    spread = _Spread([3.0, 0.5, 1.5, 1.0], list(levels), np.random.default_rng(1))
+    ends = np.asarray(spread.step_ends(0.0, 1.0, 2000))
     drawn = np.diff(np.concatenate([[0.0], ends]))
-    assert [np.mean(np.isclose(drawn, v)) for v in (0.5, 1.0, 1.5, 3.0)] == pytest.approx([0.25] * 4, abs=0.03)
-    assert lag1_rank_correlation(drawn + rng.random(20000) * 1e-6) == pytest.approx(0.6, abs=0.1)  # 4 levels
+    assert [np.mean(np.isclose(drawn, v)) for v in (0.5, 1.0, 1.5, 3.0)] == pytest.approx([0.25] * 4)
+    first = int(np.flatnonzero(np.isclose(drawn, 0.5))[0])  # from a random start, in the path's order
+    assert drawn[first:first + 1996] == pytest.approx([0.5, 1.0, 1.5, 3.0] * 499)
+
+
+def test_slow_steps_in_runs_make_the_tail_that_independent_draws_miss():
     work = poisson_workload(CAL, 0.6 * throughput_bound(CAL), 3000, seed=8)
     scattered = {**CAL, "step_cost_spread": [0.5, 1.0, 1.5]}
     independent = simulate(scattered, work, "fdfo").latency
-    in_runs = simulate({**scattered, "step_cost_correlation": 0.9}, work, "fdfo").latency
-    assert np.percentile(in_runs, 99) > 1.1 * np.percentile(independent, 99)
+    runs = ([0.2] * 300 + [0.5] * 300 + [0.9] * 300) * 4  # the same levels, in runs of 300 steps
+    in_runs = simulate({**scattered, "step_cost_path": runs}, work, "fdfo").latency
+    assert np.percentile(in_runs, 99) > 1.2 * np.percentile(independent, 99)
+    assert np.array_equal(in_runs, simulate({**scattered, "step_cost_path": runs}, work, "fdfo").latency)  # seeded
+
+
+def test_step_calibration_keeps_the_multipliers_in_time_order():
+    rng = np.random.default_rng(4)
+    rows = rng.integers(1, 9, 3000)
+    slow = np.repeat(rng.random(30) < 0.3, 100) * 1.0  # runs of 100 slow steps
+    seconds = (0.004 + 0.001 * rows) * (1 + slow) * rng.uniform(0.9, 1.1, 3000)
+    cal = step_calibration(list(zip(rows, np.zeros(3000), seconds)), 0.0, path_length=2000)
+    path = np.asarray(cal["step_cost_path"])
+    assert len(path) == 2000 and 0 < path.min() and path.max() < 1
+    assert sorted(path) == pytest.approx((np.arange(2000) + 0.5) / 2000, abs=1e-4)  # ranks, each once
+    multipliers = seconds[-2000:] / (cal["c0"] + cal["c1"] * rows[-2000:])
+    assert np.array_equal(np.argsort(path), np.argsort(multipliers))  # the last steps' ranks, in time order
+    assert np.corrcoef(path[:-10], path[10:])[0, 1] > 0.5  # the runs survive
 
 
 def test_load_points_are_interpolated_in_the_rate_per_replica():
@@ -200,6 +215,9 @@ def test_load_points_are_interpolated_in_the_rate_per_replica():
     assert middle["step_cost_spread"] == pytest.approx([0.65, 1.35])
     assert middle["request_overhead_s"] == pytest.approx([0.06, 0.07])
     assert at_rate(cal, 0.5)["c0"] == 0.004 and at_rate(cal, 50)["c0"] == 0.008  # clamped
+    paths = validate_calibration({**CAL, "load_points": [{**light, "step_cost_path": [0.1, 0.6]},
+                                                         {**heavy, "step_cost_path": [0.9]}]})
+    assert at_rate(paths, 3.9)["step_cost_path"] == [0.1, 0.6] and at_rate(paths, 4.1)["step_cost_path"] == [0.9]
     work = poisson_workload(CAL, 8.0, 500, seed=2)
     flat = {k: v for k, v in at_rate(cal, work.rate / 2).items() if k != "load_points"}
     assert np.array_equal(simulate(cal, work, "fdfo", replicas=2).latency, simulate(flat, work, "fdfo", replicas=2).latency)
@@ -221,12 +239,26 @@ def test_fits_clip_negative_coefficients():
     assert c1 == 0.0 and c0 == pytest.approx(0.3) and c2 == pytest.approx(0.05)  # rows clipped, refitted
 
 
+def test_a_fit_over_loads_shares_the_per_row_cost_and_keeps_a_fixed_cost_per_load():
+    rng = np.random.default_rng(6)
+    light = [(r, u, 0.004 + 0.002 * r + 0.001 * u + rng.normal(0, 0.001))
+             for r, u in zip(rng.choice([1, 1, 1, 2], 400), rng.choice([0, 0, 7], 400))]  # rarely 2 rows
+    heavy = [(r, u, 0.007 + 0.002 * r + 0.001 * u + rng.normal(0, 0.001))
+             for r, u in zip(rng.integers(1, 17, 400), rng.choice([0, 7], 400))]
+    (c0_light, c0_heavy), c1, c2 = fit_step_cost_by_load([light, heavy])
+    assert c0_light == pytest.approx(0.004, abs=3e-4) and c0_heavy == pytest.approx(0.007, abs=3e-4)
+    assert c1 == pytest.approx(0.002, abs=1e-4) and c2 == pytest.approx(0.001, abs=1e-4)
+    assert fit_step_cost_by_load([light]) == ([fit_step_cost_with_prefill(light)[0]], *fit_step_cost_with_prefill(light)[1:])
+    with pytest.raises(ValueError, match="no step records"):
+        fit_step_cost_by_load([light, []])
+
+
 def test_calibration_round_trip(tmp_path):
     path = tmp_path / "cal.json"
     save_calibration(CAL, path)
     on_disk = json.loads(path.read_text())
     assert set(on_disk) == {"c0", "c1", "max_batch", "steps_per_block", "blocks_per_request", "source",
-                            "step_cost_spread", "step_cost_correlation", "request_overhead_s", "prefill_s"}
+                            "step_cost_spread", "step_cost_path", "request_overhead_s", "prefill_s"}
     loaded = load_calibration(path)
     assert loaded["c0"] == CAL["c0"] and loaded["steps_per_block"].keys() == CAL["steps_per_block"].keys()
 
@@ -240,7 +272,11 @@ def test_calibration_round_trip(tmp_path):
     '{"c0": 0.1, "c1": 0, "max_batch": 4, "steps_per_block": {"2": 1}, "blocks_per_request": {"1": 1}, '
     '"step_cost_spread": [1, 0]}',
     '{"c0": 0.1, "c1": 0, "max_batch": 4, "steps_per_block": {"2": 1}, "blocks_per_request": {"1": 1}, '
-    '"request_overhead_s": "fast"}'])
+    '"request_overhead_s": "fast"}',
+    '{"c0": 0.1, "c1": 0, "max_batch": 4, "steps_per_block": {"2": 1}, "blocks_per_request": {"1": 1}, '
+    '"step_cost_path": [0.5, 1.5]}',
+    '{"c0": 0.1, "c1": 0, "max_batch": 4, "steps_per_block": {"2": 1}, "blocks_per_request": {"1": 1}, '
+    '"step_cost_path": 0.5}'])
 def test_bad_calibration_files_raise_value_error(tmp_path, text):
     path = tmp_path / "bad.json"
     path.write_text(text)
