@@ -54,14 +54,19 @@ def add_bench_calibration_parser(targets) -> None:
     """`bench calibration` (``targets``: the subparsers of `bench`)."""
     bench = targets.add_parser(
         "calibration", help="does the simulator predict the live cluster? p50/p99 side by side",
-        description="Calibrate on a running cluster (as `dllm-serve calibrate`), then at each of --rates run "
-                    "the same Poisson load live and in the simulator and print p50/p99 latency of both with "
-                    "their ratios; the calibration holds when every ratio is within 20%% of 1.")
+        description="At each of --rates: calibrate on a running cluster (as `dllm-serve calibrate`), then run "
+                    "the same Poisson load live and in the simulator (on the same arrival times) and print "
+                    "p50/p99 latency of both with their ratios; the calibration holds when every ratio is within "
+                    "20%% of 1.")
     _target_options(bench, "--calibration-rates")
-    bench.add_argument("--rates", type=rate_list, default=[6.0, 12.0, 18.0], metavar="R1,R2,...",
-                       help="arrival rates to compare (default 6,12,18)")
+    bench.add_argument("--rates", type=rate_list, default=[5.0, 10.0, 15.0], metavar="R1,R2,...",
+                       help="arrival rates to compare (default 5,10,15: about 25-75%% of one tiny-model replica's "
+                            "capacity on a 2-core machine; nearer saturation one run's p99 swings by 25%%)")
     bench.add_argument("--rate-requests", type=positive_number(int), default=800, metavar="N",
                        help="Poisson arrivals per compared rate (default 800: a p99 needs many requests)")
+    bench.add_argument("--calibrate-once", action="store_true",
+                       help="calibrate once, before the first rate (default: afresh before each rate, because "
+                            "a shared machine's step costs drift within minutes)")
     bench.add_argument("--policy", choices=POLICIES, default="fdfo", help="the replicas' mode (default fdfo)")
     bench.add_argument("--json", action="store_true", help="one JSON object")
     bench.set_defaults(func=run_bench_calibration)
@@ -99,7 +104,8 @@ def run_calibrate(args) -> int:
 def run_bench_calibration(args) -> int:
     def work() -> int:
         result = asyncio.run(bench_calibration(_endpoint(args), _plan(args), args.rates, args.rate_requests,
-                                               args.policy, quiet=args.quiet))
+                                               args.policy, recalibrate=not args.calibrate_once,
+                                               quiet=args.quiet))
         print(json.dumps(result) if args.json else format_comparison(result))
         return 0
 
