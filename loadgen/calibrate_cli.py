@@ -26,12 +26,13 @@ def _target_options(parser: argparse.ArgumentParser, rates_flag: str) -> None:
                         help=f"max_tokens of each request (default {TINY_MAX_TOKENS})")
     parser.add_argument("--replicas", type=positive_number(int), default=1,
                         help="replicas serving (default 1): load points are per replica")
-    parser.add_argument(rates_flag, dest="calibration_rates", type=rate_list, default=[4.0, 20.0],
+    parser.add_argument(rates_flag, dest="calibration_rates", type=rate_list, default=[4.0, 16.0],
                         metavar="R1,R2,...",
                         help="calibration loads: Poisson arrivals per second to the cluster, one load point each "
-                             "(default 4,20: a light and a heavy load; the simulator interpolates between them)")
-    parser.add_argument("--duration", type=positive_number(float), default=30.0, metavar="S",
-                        help="seconds of arrivals per calibration load (default 30)")
+                             "(default 4,16: a light and a heavy load; the simulator interpolates between them. "
+                             "Near saturation a 30 s estimate of the fixed step cost swung by 30%% between runs)")
+    parser.add_argument("--duration", type=positive_number(float), default=45.0, metavar="S",
+                        help="seconds of arrivals per calibration load (default 45)")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals and prompts (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 

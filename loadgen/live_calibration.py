@@ -47,8 +47,8 @@ REPORT_LAG_S = 2.0  # replicas report every stats_period_s (0.5 s by default)
 
 @dataclass(frozen=True)
 class CalibrationPlan:
-    rates: tuple[float, ...] = (4.0, 20.0)  # requests per second to the whole cluster
-    duration_s: float = 30.0  # of arrivals, per rate
+    rates: tuple[float, ...] = (4.0, 16.0)  # requests per second to the whole cluster
+    duration_s: float = 45.0  # of arrivals, per rate
     seed: int = 0
     replicas: int = 1  # serving, so that a load point's rate is per replica
 
