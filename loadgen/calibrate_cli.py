@@ -55,7 +55,7 @@ def add_bench_calibration_parser(targets) -> None:
     """`bench calibration` (``targets``: the subparsers of `bench`)."""
     bench = targets.add_parser(
         "calibration", help="does the simulator predict the live cluster? p50/p99 side by side",
-        description="At each of --rates: calibrate on a running cluster (as `dllm-serve calibrate`), then run "
+        description="Calibrate on a running cluster (as `dllm-serve calibrate`); at each of --rates, run "
                     "the same Poisson load live and in the simulator (on the same arrival times) and print "
                     "p50/p99 latency of both with their ratios; the calibration holds when every ratio is within "
                     "20%% of 1.")
@@ -66,8 +66,9 @@ def add_bench_calibration_parser(targets) -> None:
     bench.add_argument("--rate-requests", type=positive_number(int), default=800, metavar="N",
                        help="Poisson arrivals per compared rate (default 800: a p99 needs many requests)")
     bench.add_argument("--calibrate-once", action="store_true",
-                       help="calibrate once, before the first rate (default: afresh before each rate, because "
-                            "a shared machine's step costs drift within minutes)")
+                       help="calibrate once, before the first rate (default: also after each rate, and predict "
+                            "each rate from the calibrations on either side of it, because a shared machine's "
+                            "step costs drift within minutes)")
     bench.add_argument("--policy", choices=POLICIES, default="fdfo", help="the replicas' mode (default fdfo)")
     bench.add_argument("--json", action="store_true", help="one JSON object")
     bench.set_defaults(func=run_bench_calibration)

@@ -1,12 +1,14 @@
 """`dllm-serve bench calibration`: does the simulator predict the live cluster?
 
-For each compared rate: calibrates on the live cluster (`loadgen.live_calibration`, by
-default at a light and a heavy load), then sends a Poisson load of the same number of
-requests (other arrivals and prompts than the calibration's) to the cluster and runs the
-simulator on the same arrival times. Calibrating afresh before each rate is the default
-because this project's shared 2-core machine drifts: step costs measured a few minutes
-apart differed by 25-40 %, which no model of the engine can predict (``recalibrate=False``
-calibrates once, first, to see it). The prediction is for the load that was sent, so
+Calibrates on the live cluster (`loadgen.live_calibration`, by default at a light and a
+heavy load); for each compared rate, sends a Poisson load of the same number of requests
+(other arrivals and prompts than any calibration's) to the cluster and runs the
+simulator on the same arrival times. By default it calibrates before the first rate and
+after each, and predicts each rate from the two calibrations on either side of it (half
+the draws each), because this project's shared 2-core machine drifts: step costs
+measured a few minutes apart differed by 25-40 %, which no model of the engine can
+predict; a drift that is steady over one rate's span cancels (``recalibrate=False``
+calibrates once, first, to see the drift). The prediction is for the load that was sent, so
 a burst that happens to come live is in the prediction too. A p99 of a few hundred live
 requests swings by 10-15 % from one arrival sequence to the next at high load; the
 same-arrivals comparison removes that part of the noise from the ratio. Each prediction
@@ -16,6 +18,7 @@ Prints p50/p99 latency of both and their ratios side by side.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -33,13 +36,15 @@ def _ratio(predicted: float | None, measured: float | None) -> float | None:
     return round(predicted / measured, 3) if predicted is not None and measured else None
 
 
-def predict(calibration: dict, arrival_times: list[float], policy: str, replicas: int, seed: int,
+def predict(calibrations: list[dict], arrival_times: list[float], policy: str, replicas: int, seed: int,
             draws: int = SIM_DRAWS) -> dict:
     """p50/p99 latency the simulator predicts for requests arriving at ``arrival_times``:
-    ``draws`` runs, each with its own draws of blocks, steps and step costs, pooled."""
+    ``draws`` runs, each with its own draws of blocks, steps and step costs, taking the
+    ``calibrations`` in turn, pooled."""
     latency = np.concatenate([
-        simulator.simulate(calibration, simulator.trace_workload(calibration, arrival_times, seed + draw),
-                           policy, replicas=replicas).latency for draw in range(draws)])
+        simulator.simulate(cal, simulator.trace_workload(cal, arrival_times, seed + draw), policy,
+                           replicas=replicas).latency
+        for draw, cal in zip(range(draws), itertools.cycle(calibrations))])
     done = latency[~np.isnan(latency)]
     return {f"latency_p{q}_s": float(np.percentile(done, q)) for q in (50, 99)}
 
@@ -67,25 +72,31 @@ def holds(rows: list[dict], name: str = "sim", tolerance: float = TOLERANCE) -> 
 async def bench_calibration(endpoint: client.Endpoint, plan: CalibrationPlan, rates: list[float],
                             requests: int, policy: str = "fdfo", recalibrate: bool = True,
                             quiet: bool = False) -> dict:
-    """``recalibrate``: a fresh calibration before each compared rate (else one, first)."""
-    rows, sources = [], []
+    """``recalibrate``: calibrate before the first rate and after each (each rate is predicted
+    from the calibrations on either side of it); else once, first."""
+    calibrations, rows = [], []
+
+    async def calibrate_next() -> None:
+        calibrations.append(await calibrate(endpoint, replace(plan, seed=plan.seed + 2 * len(calibrations)), quiet))
+
+    await calibrate_next()
     async with client.make_client(endpoint) as http:
         endpoint = replace(endpoint, model=endpoint.model or await client.first_model(http))
         for index, rate in enumerate(rates):
-            if recalibrate or not sources:
-                calibration = await calibrate(endpoint, replace(plan, seed=plan.seed + 2 * index), quiet)
-                sources.append(calibration["source"])
             seed = plan.seed + 2 * index + 1  # other arrivals and prompts than any calibration's
             times = poisson_times(rate, seed, count=requests)
             arrivals = with_prompts(times, tiny_prompts(len(times), seed))
             own, _, records = await measure_load(http, endpoint, rate, arrivals, plan.replicas,
                                                  None if quiet else f"rate {rate:g}/s ")
-            predicted = predict(calibration, times, policy, plan.replicas, seed)
-            replayed = predict({**calibration, "load_points": [own]}, times, policy, plan.replicas, seed)
+            if recalibrate:
+                await calibrate_next()
+            around = list(range(len(calibrations)))[-2:] if recalibrate else [0]
+            predicted = predict([calibrations[i] for i in around], times, policy, plan.replicas, seed)
+            replayed = predict([{**calibrations[0], "load_points": [own]}], times, policy, plan.replicas, seed)
             rows.append({**compare_row(rate, summarize(records, rate), predicted, replayed, own),
-                         "calibration": len(sources) - 1})
-    return {"calibrations": sources, "policy": policy, "replicas": plan.replicas, "rows": rows,
-            "tolerance": TOLERANCE, "holds": holds(rows), "replay_holds": holds(rows, "replay")}
+                         "calibrations": around})
+    return {"calibrations": [c["source"] for c in calibrations], "policy": policy, "replicas": plan.replicas,
+            "rows": rows, "tolerance": TOLERANCE, "holds": holds(rows), "replay_holds": holds(rows, "replay")}
 
 
 def format_comparison(result: dict) -> str:
@@ -95,7 +106,7 @@ def format_comparison(result: dict) -> str:
              f"{'cal':>3} {'rate/s':>7} {'live p50':>9} {'sim':>6} {'ratio':>6} {'replay':>7} {'ratio':>6} "
              f"{'live p99':>9} {'sim':>6} {'ratio':>6} {'replay':>7} {'ratio':>6}"]
     for row in result["rows"]:
-        cells = [f"{row['calibration']:>3} {row['rate']:>7g}"]
+        cells = [f"{'+'.join(map(str, row['calibrations'])):>3} {row['rate']:>7g}"]
         for q in (50, 99):
             cells.append(f"{row[f'live_p{q}_s']:>9.3f} {row[f'sim_p{q}_s']:>6.3f} {row[f'sim_over_live_p{q}']:>6.2f} "
                          f"{row[f'replay_p{q}_s']:>7.3f} {row[f'replay_over_live_p{q}']:>6.2f}")

@@ -86,7 +86,7 @@ def test_bench_calibration_prints_both_sides(tiny_cluster, request):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout)
     assert [row["rate"] for row in result["rows"]] == [4.0, 10.0]
-    assert [row["calibration"] for row in result["rows"]] == [0, 1] and len(result["calibrations"]) == 2
+    assert [row["calibrations"] for row in result["rows"]] == [[0, 1], [1, 2]] and len(result["calibrations"]) == 3
     for row in result["rows"]:
         assert row["live_completed"] > 0 and row["live_refused"] == 0
         for q in (50, 99):
