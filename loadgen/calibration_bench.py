@@ -101,7 +101,7 @@ async def bench_calibration(endpoint: client.Endpoint, plan: CalibrationPlan, ra
 
 def format_comparison(result: dict) -> str:
     lines = [f"calibration {index}: {source}" for index, source in enumerate(result["calibrations"])]
-    lines += ["sim: predicted from the calibration for the same arrival times; "
+    lines += ["sim: predicted for the same arrival times from the calibrations in column cal; "
              "replay: fed the costs measured during that rate's own run",
              f"{'cal':>3} {'rate/s':>7} {'live p50':>9} {'sim':>6} {'ratio':>6} {'replay':>7} {'ratio':>6} "
              f"{'live p99':>9} {'sim':>6} {'ratio':>6} {'replay':>7} {'ratio':>6}"]
