@@ -13,7 +13,7 @@ import threading
 import yaml
 
 from algorithms import available_algorithms
-from replicas.scheduler import SchedulerMode
+from replicas.batching import SchedulerMode
 
 MODES = [mode.value for mode in SchedulerMode]
 

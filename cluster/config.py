@@ -11,7 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from replicas.scheduler import SchedulerMode
+from replicas.batching import SchedulerMode
 
 
 class ConfigError(ValueError):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from replicas.scheduler import SchedulerMode
+from replicas.batching import SchedulerMode
 
 
 class DllmExtensions(BaseModel):

@@ -24,9 +24,10 @@ from replicas.kv_cache import KVCache, PagePool
 from replicas.limits import length_error, pages_needed
 from replicas.models import load_model, load_tokenizer
 from replicas.output import OutputProcessor
-from replicas.request import FinishReason, Phase, Request, RequestError, RequestOutput, SamplingParams
+from replicas.batching import Phase, SchedulerMode
+from replicas.request import FinishReason, Request, RequestError, RequestOutput, SamplingParams
 from replicas.runner import ModelRunner
-from replicas.scheduler import Scheduler, SchedulerMode
+from replicas.scheduler import Scheduler
 from replicas.slots import SlotTable
 from replicas.stats import EngineTotals, StepStats
 

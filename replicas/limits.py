@@ -1,11 +1,22 @@
-"""The one rule for how long a request may be: pages for its prompt and its blocks."""
+"""What a request costs: KV pages for its prompt and blocks, row-steps for admission.
+
+Pure functions (no torch): the engine, the ingress and the capacity simulator all size
+requests with these.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+def blocks_needed(max_tokens: int, block_length: int) -> int:
+    """Answer blocks a request can take at most."""
+    return -(-max_tokens // block_length)
 
 
 def pages_needed(prompt_tokens: int, max_tokens: int, block_length: int) -> int:
     """KV pages a request can occupy: its prompt pages plus one per possible output block."""
-    return -(-prompt_tokens // block_length) + -(-max_tokens // block_length)
+    return -(-prompt_tokens // block_length) + blocks_needed(max_tokens, block_length)
 
 
 def length_error(prompt_tokens: int, max_tokens: int, block_length: int, max_model_len: int) -> str | None:
@@ -15,3 +26,24 @@ def length_error(prompt_tokens: int, max_tokens: int, block_length: int, max_mod
         return (f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs {needed} positions "
                 f"in blocks of {block_length}; this model serves at most {max_model_len}")
     return None
+
+
+def request_cost(max_tokens: int, block_length: int, steps_per_block: float) -> float:
+    """Row-steps charged for a request at admission: its most blocks x steps per block."""
+    return blocks_needed(max_tokens, block_length) * steps_per_block
+
+
+def steps_quantile(counts: Mapping[int, float], quantile: float) -> int | None:
+    """The ``quantile`` (in (0, 1]) of a steps-per-block histogram {steps: count or
+    weight}; None when it is empty."""
+    if not 0 < quantile <= 1:
+        raise ValueError(f"the quantile must be in (0, 1], got {quantile}")
+    total = sum(counts.values())
+    if total <= 0:
+        return None
+    rank, seen = quantile * total, 0.0
+    for steps in sorted(counts):
+        seen += counts[steps]
+        if seen >= rank - 1e-12 * total:
+            return int(steps)
+    return int(max(counts))

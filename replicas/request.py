@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from algorithms import AlgorithmParams, DllmAlgorithm
+from replicas.batching import Phase
 
 
 class RequestError(ValueError):
@@ -51,14 +52,6 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_steps: int = 0  # forwards this request took so far
     block_steps: list[int] = field(default_factory=list)  # steps of each committed block
-
-
-class Phase(enum.Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"  # prompt pages still being written (chunked prefill)
-    DENOISE = "denoise"  # an active block is being denoised
-    BLOCK_DONE = "block_done"  # block committed; waits for the round to end (sync/static)
-    FINISHED = "finished"  # output complete; waits for the round to end to release
 
 
 @dataclass(eq=False)

@@ -32,7 +32,7 @@ from torch import nn
 from replicas.attention import BatchLayout, paged_context, resolve_backend
 from replicas.batch import ScheduledBatch
 from replicas.kv_cache import KVCache, PagePool
-from replicas.request import Phase
+from replicas.batching import Phase
 from replicas.slots import SlotTable
 
 KV_CACHE_MODES = ("prefix", "none")

@@ -19,7 +19,6 @@ taken from the reservation one block at a time and all returned on release.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,16 +26,10 @@ from collections.abc import Callable
 import torch
 
 from replicas.batch import ScheduledBatch
+from replicas.batching import Phase, SchedulerMode
 from replicas.kv_cache import PagePool
-from replicas.request import Phase, Request
+from replicas.request import Request
 from replicas.slots import SlotTable
-
-
-class SchedulerMode(str, enum.Enum):
-    FDFO = "fdfo"
-    SYNC = "sync"
-    STATIC = "static"
-    FIXED_FILL = "fixed_fill"
 
 
 _WAITING_FOR_ROUND = (Phase.BLOCK_DONE, Phase.FINISHED)

@@ -8,7 +8,7 @@ from replicas.engine import Engine, EngineConfig
 from replicas.evaluation import TINY_MAX_TOKENS, evaluate_tiny
 from replicas.models import load_model, load_tokenizer
 from replicas.request import SamplingParams
-from replicas.scheduler import SchedulerMode
+from replicas.batching import SchedulerMode
 from replicas.tiny import task
 
 ALGORITHM_CASES = {
