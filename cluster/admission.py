@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from cluster.config import AdmissionSettings
+from replicas.limits import request_cost, steps_quantile
 
 LIVE_AFTER_S = 10.0  # replica stats older than this are ignored
 
@@ -46,17 +47,11 @@ class AdmissionController:
         merged: Counter = Counter()
         for stats in self.view.values():
             merged.update({int(k): v for k, v in stats.get("steps_per_block", {}).items()})
-        if not merged:
-            return worst_case
-        rank, seen = quantile * sum(merged.values()), 0
-        for steps in sorted(merged):
-            seen += merged[steps]
-            if seen >= rank:
-                return min(steps, worst_case)
-        return worst_case
+        measured = steps_quantile(merged, quantile)
+        return worst_case if measured is None else min(measured, worst_case)
 
-    def cost(self, blocks: int, worst_case_steps_per_block: int) -> float:
-        return blocks * self.steps_per_block(worst_case_steps_per_block)
+    def cost(self, max_tokens: int, block_length: int, worst_case_steps_per_block: int) -> float:
+        return request_cost(max_tokens, block_length, self.steps_per_block(worst_case_steps_per_block))
 
     def _rates(self) -> list[float]:
         rates = [v.get("row_steps_per_s", self.settings.initial_row_steps_per_s) for v in self.view.values()]

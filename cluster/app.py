@@ -18,18 +18,6 @@ from replicas.deployment import EngineReplica
 log = logging.getLogger(__name__)
 
 
-def engine_config(config: AppConfig) -> dict:
-    replica = config.replica
-    return {
-        "mode": replica.mode.value, "max_batch": replica.max_batch, "num_pages": replica.num_pages,
-        "max_tokens_per_step": replica.max_tokens_per_step, "max_model_len": replica.max_model_len,
-        "default_algorithm": config.algorithm.name, "default_algorithm_params": config.algorithm.params,
-        "device": replica.device, "dtype": replica.dtype, "fill_timeout_s": replica.fill_timeout_s,
-        "lora": replica.lora, "kv_cache": replica.kv_cache, "attention_backend": replica.attention_backend,
-        "model_overrides": replica.model_overrides,
-    }
-
-
 def replica_deployment_options(config: AppConfig) -> dict:
     """Options of the replica deployment, plain data (classes by import path), so that
     they also render into Kubernetes serveConfigV2 unchanged."""
@@ -70,7 +58,7 @@ def ingress_deployment_options(config: AppConfig) -> dict:
 def build_app(config: AppConfig):
     """The bound application: Ingress -> EngineReplica (routed by predicted drain time)."""
     replica = serve.deployment(EngineReplica).options(**replica_deployment_options(config)).bind(
-        config.model, engine_config(config),
+        config.model, config.replica,
         metrics_actor={"name": ACTOR_NAME, "namespace": ACTOR_NAMESPACE},
         stats_period_s=config.stats_period_s,
         initial_row_steps_per_s=config.admission.initial_row_steps_per_s,

@@ -4,47 +4,73 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import enum
 import json
 import logging
 import signal
 import sys
 import threading
+import types
+from typing import Literal, Union, get_args, get_origin
 
 import yaml
+from pydantic import BaseModel
 
 from algorithms import available_algorithms
-from replicas.batching import SchedulerMode
-
-MODES = [mode.value for mode in SchedulerMode]
-
-
-def _engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny",
-                        help="checkpoint directory, or 'tiny' for the embedded model (default)")
-    parser.add_argument("--mode", choices=MODES, default="fdfo",
-                        help="scheduler mode (default fdfo)")
-    parser.add_argument("--max-batch", type=int, default=16, help="rows per step (default 16)")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    _model_options(parser)
+from replicas.batching import MODES
+from replicas.settings import EngineConfig
 
 
-def _model_options(parser: argparse.ArgumentParser) -> None:
-    """Loading options shared by `generate` and `up`."""
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                        help="weights and KV dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--lora", metavar="DIR", help="PEFT LoRA adapter merged into the weights at load")
-    parser.add_argument("--kv-cache", choices=["prefix", "none"],
-                        help="'none' recomputes everything every step (exact for LLaDA/Dream, slow)")
-    parser.add_argument("--attention-backend", choices=["auto", "sdpa", "flash"],
-                        help="attention kernel (default auto: vllm-flash-attn on CUDA when installed)")
+ENGINE_DEST = "engine."  # `generate`'s engine flags land at engine.<field>
+REPLICA_DEST = "replica."  # `up`'s replica flags land at their config key, replica.<field>
 
 
-def _engine_config(args):
-    from replicas.engine import EngineConfig
+def _yaml_mapping(text: str) -> dict:
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a YAML mapping such as '{{key: value}}', got {text!r}")
+    return value
 
-    options = {k: getattr(args, k) for k in ("dtype", "lora", "kv_cache", "attention_backend")
-               if getattr(args, k) is not None}
-    return EngineConfig(mode=args.mode, max_batch=args.max_batch, device=args.device, **options)
+
+def _setting_flags(parser: argparse.ArgumentParser, settings: type[BaseModel], dest_prefix: str,
+                   choices: dict[str, list[str]]) -> None:
+    """One option per field of ``settings`` (``--max-batch`` for max_batch), its help the
+    field's description: enums and Literals give choices, a bool ``--x/--no-x``, numbers
+    their type, a dict a YAML mapping. A given value lands at ``dest_prefix + name``; an
+    option not given sets nothing, so the settings' own default applies."""
+    for name, field in settings.model_fields.items():
+        kind = field.annotation
+        if get_origin(kind) in (Union, types.UnionType):
+            kind = next(arg for arg in get_args(kind) if arg is not type(None))
+        options: dict = {"dest": dest_prefix + name, "default": argparse.SUPPRESS}
+        if isinstance(kind, type) and issubclass(kind, enum.Enum):
+            options["choices"] = [member.value for member in kind]
+        elif get_origin(kind) is Literal:
+            options["choices"] = list(get_args(kind))
+        elif kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        elif kind in (int, float):
+            options.update(type=kind, metavar=name.upper())
+        elif get_origin(kind) is dict:
+            options.update(type=_yaml_mapping, metavar="YAML")
+        else:
+            options["metavar"] = name.upper()
+        if name in choices:
+            options.update(choices=choices[name], metavar=None)
+        default = field.get_default(call_default_factory=True)
+        default = default.value if isinstance(default, enum.Enum) else default
+        shown = f" (default {default})" if default not in (None, {}) else ""
+        help_text = (field.description or "") + shown
+        parser.add_argument("--" + name.replace("_", "-"), help=help_text.replace("%", "%%"), **options)
+
+
+def _given(args, dest_prefix: str) -> dict:
+    """The setting flags given on the command line, by dest."""
+    return {dest: value for dest, value in vars(args).items() if dest.startswith(dest_prefix)}
+
+
+def _engine_config(args) -> EngineConfig:
+    return EngineConfig(**{dest.removeprefix(ENGINE_DEST): value for dest, value in _given(args, ENGINE_DEST).items()})
 
 
 def _algorithm_params(args) -> dict:
@@ -69,7 +95,7 @@ def cmd_generate(args) -> int:
 
     engine = Engine.from_pretrained(args.model, _engine_config(args))
     params = SamplingParams(max_tokens=args.max_tokens, stop=tuple(args.stop or ()),
-                            algorithm=args.algorithm, algorithm_params=_algorithm_params(args))
+                            algorithm_params=_algorithm_params(args))  # on top of the engine's --algorithm
     engine.make_request(args.prompt, params)  # validate before starting the loop
 
     async def run() -> None:
@@ -100,7 +126,7 @@ def cmd_train_tiny(args) -> int:
 
 
 def cmd_eval_tiny(args) -> int:
-    from replicas.evaluation import evaluate_tiny
+    from replicas.tiny.evaluation import evaluate_tiny
 
     report = evaluate_tiny(args.model, modes=args.modes, batch_sizes=args.batch_sizes,
                            num_requests=args.requests, algorithm=args.algorithm)
@@ -109,7 +135,7 @@ def cmd_eval_tiny(args) -> int:
 
 
 def report_table(report: dict) -> str:
-    from replicas.evaluation import format_report
+    from replicas.tiny.evaluation import format_report
 
     return format_report(report)
 
@@ -118,7 +144,7 @@ def _calibration_writer(path: str | None, max_batch: int):
     """A callback that fits the simulator's calibration to the fdfo run and saves it."""
     if path is None:
         return None
-    from loadgen.calibration import fit_calibration, save_calibration
+    from loadgen.capacity.calibration import fit_calibration, save_calibration
 
     def write(steps, outputs) -> None:
         calibration = fit_calibration(
@@ -132,12 +158,12 @@ def _calibration_writer(path: str | None, max_batch: int):
 
 def cmd_bench(args) -> int:
     if args.target == "engine":
-        from replicas.bench import bench_engine
+        from replicas.tiny.bench import bench_engine
 
         result = bench_engine(args.model, num_requests=args.requests, max_batch=args.max_batch,
                               on_fdfo_run=_calibration_writer(args.calibration, args.max_batch))
     else:
-        from loadgen.policy_bench import bench_policies
+        from loadgen.capacity.policy_bench import bench_policies
 
         result = bench_policies(args.model, num_requests=args.requests, load=args.load, rate=args.rate,
                                 max_batch=args.max_batch, slo_latency_s=args.slo_latency, seed=args.seed,
@@ -152,136 +178,9 @@ def cmd_loadgen(args) -> int:
     return run_loadgen(args)
 
 
-_SIM_COLUMNS = {
-    "sweep": ["policy", "rate", "completed", "refused", "latency_mean_s", "latency_p50_s", "latency_p90_s",
-              "latency_p99_s", "ttfb_p50_s", "throughput_rps", "goodput_rps", "slo_attainment", "fill_timeout_s"],
-    "max_rate": ["policy", "replicas", "max_rate"],
-    "replicas": ["policy", "rate", "replicas"],
-    "tau": ["rate", "analytic_tau_s", "best_tau_s", "analytic_latency_s", "best_latency_s", "gap_percent"],
-}
-
-
-def cmd_simulate(args) -> int:
-    from loadgen import simulator as sim
-    from loadgen.arrivals import load_trace
-    from loadgen.calibration import DEFAULT_CALIBRATION, load_calibration, validate_calibration
-    from loadgen.records import LoadgenError
-
-    rates = args.sweep or ([args.rate] if args.rate is not None else [])
-    if any(not r > 0 for r in rates):
-        raise ValueError("arrival rates must be > 0 requests per second")
-    if (args.find_max_rate or args.find_replicas or args.max_step_debt == "slo") and args.slo_latency is None:
-        raise ValueError("--find-max-rate, --find-replicas and --max-step-debt slo need --slo-latency")
-    if args.plot and (args.find_max_rate or args.find_replicas or args.tau_table or args.trace):
-        raise ValueError("--plot draws a rate sweep: use it with --rate/--sweep only")
-    if args.calibration:
-        cal = load_calibration(args.calibration)
-    else:
-        cal = validate_calibration(DEFAULT_CALIBRATION)
-        print("note: built-in calibration (the tiny model on a 2-core CPU, illustrative); "
-              "pass --calibration FILE to plan for your engine", file=sys.stderr)
-    debt = args.max_step_debt
-    if debt == "slo":
-        debt = cal["max_batch"] / (cal["c0"] + cal["c1"] * cal["max_batch"]) * args.slo_latency
-    elif debt is not None:
-        try:
-            debt = float(debt)
-        except ValueError:
-            raise ValueError(f"--max-step-debt expects a number of row-steps or 'slo', got {debt!r}") from None
-    options = {"fill_timeout": args.fill_timeout, "fdfo_fill_hold": args.fdfo_hold, "max_step_debt": debt}
-    common = {"requests": args.requests, "seed": args.seed}
-    slo = {"slo_latency": args.slo_latency, "attainment": args.slo_attainment}
-    if args.tau_table:
-        kind = "tau"
-        rows = sim.tau_table(cal, rates or [f * sim.fixed_fill_capacity(cal) for f in (0.1, 0.3, 0.5, 0.7, 0.9)],
-                             **common)
-    elif args.find_max_rate:
-        kind = "max_rate"
-        rows = [{"policy": p, "replicas": args.replicas,
-                 "max_rate": sim.find_max_rate(cal, p, **slo, **common, replicas=args.replicas, **options)}
-                for p in args.policy]
-    elif args.find_replicas:
-        if len(rates) != 1:
-            raise ValueError("--find-replicas needs one --rate")
-        kind = "replicas"
-        rows = [{"policy": p, "rate": rates[0],
-                 "replicas": sim.find_replicas(cal, p, rates[0], **slo, **common, **options)}
-                for p in args.policy]
-    elif args.trace:
-        kind = "sweep"
-        try:
-            times = [arrival.time_s for arrival in load_trace(args.trace, max_count=10 ** 7)]
-        except LoadgenError as exc:
-            raise ValueError(str(exc)) from None
-        workload = sim.trace_workload(cal, times, args.seed)
-        rows = sim.compare(cal, workload, args.policy, args.slo_latency, replicas=args.replicas, **options)
-    else:
-        if not rates:
-            raise ValueError("give --rate R, --sweep R1 R2 ... (requests per second) or --trace FILE, "
-                             "or a --find-* question")
-        kind = "sweep"
-        rows = sim.sweep(cal, args.policy, rates, slo_latency=args.slo_latency, replicas=args.replicas,
-                         **common, **options)
-        if args.plot:
-            sim.plot_sweep(rows, args.plot, args.slo_latency)
-    if args.json:
-        print(json.dumps({"calibration": cal, kind: rows}))
-    else:
-        print(f"calibration: {cal['source'] or args.calibration}; per replica: fixed_fill capacity "
-              f"{sim.fixed_fill_capacity(cal):.4g} req/s, throughput bound {sim.throughput_bound(cal):.4g} req/s")
-        print(sim.format_rows(rows, _SIM_COLUMNS[kind]))
-    return 0
-
-
-def _simulate_parser(commands) -> None:
-    from loadgen.simulator import POLICIES
-
-    sim = commands.add_parser(
-        "simulate", help="discrete-event simulation of the cluster for capacity planning",
-        description="Simulate N replicas behind step-aware admission and drain-time routing under Poisson "
-                    "arrivals, with step costs and step counts from a calibration. Prints latency/TTFB "
-                    "percentiles, throughput and goodput per policy and rate (--rate/--sweep), the largest "
-                    "rate within an SLO (--find-max-rate), the replicas a rate needs (--find-replicas), or "
-                    "the analytic fixed_fill timeout against a simulated sweep (--tau-table).")
-    sim.add_argument("--calibration", metavar="FILE",
-                     help="calibration JSON (c0, c1, max_batch, steps_per_block, blocks_per_request), e.g. "
-                          "written by `dllm-serve bench`; default: a built-in one measured on the tiny model")
-    sim.add_argument("--policy", nargs="+", choices=POLICIES, default=list(POLICIES),
-                     help="scheduler policies to simulate (default: all)")
-    sim.add_argument("--replicas", type=int, default=1, help="replicas in the cluster (default 1)")
-    sim.add_argument("--rate", type=float, help="arrival rate, requests per second (whole cluster)")
-    sim.add_argument("--sweep", type=float, nargs="+", metavar="RATE", help="several arrival rates, one run each")
-    sim.add_argument("--trace", metavar="FILE",
-                     help="replay the arrival times of a loadgen JSONL trace ({\"timestamp\", ...} per line) "
-                          "instead of Poisson arrivals")
-    sim.add_argument("--requests", type=int, default=5000, help="requests per run (default 5000)")
-    sim.add_argument("--seed", type=int, default=0, help="random seed of arrivals and step counts (default 0)")
-    sim.add_argument("--slo-latency", type=float, metavar="S", help="latency SLO in seconds (goodput, searches)")
-    sim.add_argument("--slo-attainment", type=float, default=0.99, metavar="F",
-                     help="fraction of requests that must meet the SLO, refused ones counted as misses (default 0.99)")
-    sim.add_argument("--find-max-rate", action="store_true", help="per policy: the largest rate that meets the SLO")
-    sim.add_argument("--find-replicas", action="store_true",
-                     help="per policy: the fewest replicas for --rate within the SLO")
-    sim.add_argument("--tau-table", action="store_true",
-                     help="analytic fixed_fill timeout vs the best simulated one at --sweep rates "
-                          "(default: 10..90%% of one replica's fixed_fill capacity)")
-    sim.add_argument("--fill-timeout", type=float, metavar="S",
-                     help="fixed_fill timeout in seconds (default: the analytic optimum at each replica's rate)")
-    sim.add_argument("--fdfo-hold", action="store_true", help="fdfo holds under-filled steps by the fill-hold rule")
-    sim.add_argument("--max-step-debt", metavar="ROW_STEPS|slo",
-                     help="admission: row-steps the cluster may owe per replica, or 'slo' for full-batch drain "
-                          "rate x --slo-latency (default: admit everything)")
-    sim.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    sim.add_argument("--plot", metavar="PNG", help="write mean and p99 latency vs rate per policy (with --sweep)")
-    sim.set_defaults(func=cmd_simulate)
-
-
-_UP_SHORTCUTS = {  # flag dest -> config key
+_UP_SHORTCUTS = {  # flag dest -> config key, besides the replica.* flags
     "model": "model", "port": "port", "metrics_port": "metrics_port", "host": "host",
-    "max_batch": "replica.max_batch", "mode": "replica.mode", "algorithm": "algorithm.name",
-    "min_replicas": "autoscaling.min_replicas", "max_replicas": "autoscaling.max_replicas",
-    "api_key": "api_key", "dtype": "replica.dtype", "lora": "replica.lora", "kv_cache": "replica.kv_cache",
-    "attention_backend": "replica.attention_backend",
+    "min_replicas": "autoscaling.min_replicas", "max_replicas": "autoscaling.max_replicas", "api_key": "api_key",
 }
 
 
@@ -305,6 +204,7 @@ def up_config(args):
         value = getattr(args, dest)
         if value is not None:
             overrides[key] = value
+    overrides.update(_given(args, REPLICA_DEST))
     return load_config(args.config, overrides)
 
 
@@ -313,16 +213,17 @@ _EXAMPLE_PROMPT = "1.3. ..2. 4... .1.4 " + " ".join(["----"] * 24)
 
 
 def _check_model_default_algorithm(config, spec) -> None:
-    """``algorithm.params`` without ``algorithm.name`` apply to the model's own default."""
+    """``replica.algorithm_params`` without ``replica.algorithm`` apply to the model's own default."""
     from algorithms import AlgorithmError, get_algorithm
     from cluster.config import ConfigError
+    from replicas.settings import resolve_algorithm
 
-    if config.algorithm.name is None:
+    if config.replica.algorithm is None:
+        name, params = resolve_algorithm(config.replica, spec)
         try:
-            get_algorithm(spec.default_algorithm).make_params(
-                {**spec.default_algorithm_params, **config.algorithm.params})
+            get_algorithm(name).make_params(params)
         except AlgorithmError as exc:
-            raise ConfigError(f"algorithm.params (for the model's default {spec.default_algorithm}): {exc}") from None
+            raise ConfigError(f"replica.algorithm_params (for the model's default {name}): {exc}") from None
 
 
 def cmd_up(args) -> int:
@@ -399,18 +300,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve masked diffusion language models with a block-granular FDFO engine.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
+    algorithm_choices = {"algorithm": available_algorithms()}
 
     gen = commands.add_parser("generate", help="generate offline with the engine (no cluster)")
     gen.add_argument("prompt", help="prompt text")
-    gen.add_argument("--algorithm", choices=available_algorithms(), default=None,
-                     help="denoise algorithm (default: the engine's, low_confidence)")
+    gen.add_argument("--model", default="tiny",
+                     help="checkpoint directory, or 'tiny' for the embedded model (default)")
     gen.add_argument("--threshold", type=float, default=None, help="confidence threshold of the algorithm")
     gen.add_argument("--param", action="append", metavar="KEY=VALUE",
                      help="another algorithm parameter (repeatable), e.g. --param temperature=0.7")
     gen.add_argument("--max-tokens", type=int, default=128, help="output token limit (default 128)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print each block as it commits")
-    _engine_options(gen)
+    _setting_flags(gen.add_argument_group("engine settings"), EngineConfig, ENGINE_DEST, algorithm_choices)
     gen.set_defaults(func=cmd_generate)
 
     train = commands.add_parser("train-tiny", help="train the embedded tiny model (<= 10 min on 2 CPU cores)")
@@ -428,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print JSON")
     ev.set_defaults(func=cmd_eval_tiny)
 
-    from cluster.config import describe_fields
+    from cluster.config import ReplicaSettings, describe_fields
 
     up = commands.add_parser(
         "up", help="start a local Ray cluster serving the model over an OpenAI API",
@@ -436,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start Ray (local, or --address), the metrics actor and the Serve application; "
                     "Ctrl-C stops everything. Settings come from defaults, then --config, then --set, "
                     "then the shortcut flags.",
-        epilog="settings (YAML keys for --config, dotted keys for --set):\n" + "\n".join(describe_fields()))
+        epilog="settings (YAML keys for --config, dotted keys for --set):\n" + "\n".join(describe_fields())
+               + "\n  algorithm.name, algorithm.params: short for replica.algorithm, replica.algorithm_params")
     up.add_argument("--config", help="YAML file with settings")
     up.add_argument("--set", action="append", metavar="KEY=VALUE", help="one setting, e.g. --set slo.latency_s=10")
     up.add_argument("--address", help="connect to an existing Ray cluster instead of starting one")
@@ -444,14 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--replicas", type=int, help="fixed number of replicas (sets min and max)")
     up.add_argument("--min-replicas", type=int)
     up.add_argument("--max-replicas", type=int)
-    up.add_argument("--max-batch", type=int)
-    up.add_argument("--mode", choices=MODES)
-    up.add_argument("--algorithm", choices=available_algorithms())
     up.add_argument("--host")
     up.add_argument("--port", type=int)
     up.add_argument("--metrics-port", type=int)
     up.add_argument("--api-key")
-    _model_options(up)
+    _setting_flags(up.add_argument_group("replica settings (replica.* keys)"), ReplicaSettings, REPLICA_DEST,
+                   algorithm_choices)
     up.set_defaults(func=cmd_up)
 
     status = commands.add_parser("status", help="replicas of a running cluster and their stats")
@@ -492,15 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
         target.add_argument("--json", action="store_true", help="one JSON object on one line")
         target.set_defaults(func=cmd_bench)
 
-    from loadgen.calibrate_cli import add_bench_calibration_parser, add_calibrate_parser
+    from loadgen.capacity.cli import add_bench_calibration_parser, add_calibrate_parser, add_simulate_parser
 
     add_bench_calibration_parser(targets)
     add_calibrate_parser(commands)
+    add_simulate_parser(commands)
 
     from loadgen.cli import add_loadgen_parser
 
     add_loadgen_parser(commands).set_defaults(func=cmd_loadgen)
-    _simulate_parser(commands)
     return parser
 
 

@@ -5,13 +5,14 @@ The same object drives `dllm-serve up` and renders the Kubernetes manifests.
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from replicas.batching import SchedulerMode
+from replicas.settings import EngineConfig
 
 
 class ConfigError(ValueError):
@@ -22,36 +23,25 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class ReplicaSettings(_Section):
-    mode: SchedulerMode = Field(SchedulerMode.FDFO, description="scheduler mode of every replica")
-    fill_timeout_s: float | None = Field(
-        None, ge=0, description="fixed_fill mode: batch fill timeout in seconds (default: tuned online)")
-    max_batch: int = Field(16, ge=1, le=1024, description="rows per denoise step")
-    num_pages: int | None = Field(None, ge=2, description="KV pages per replica (default: max_batch full-length requests)")
-    max_tokens_per_step: int | None = Field(None, ge=1, description="new-token budget per step (chunked prefill)")
-    max_model_len: int | None = Field(None, ge=1, description="longest prompt + output (default: the model's limit)")
-    device: str = Field("cpu", description="torch device of each replica ('cpu', 'cuda')")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="weights and KV dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    lora: str | None = Field(None, description="PEFT LoRA adapter directory merged into the weights at load")
-    kv_cache: Literal["prefix", "none"] = Field(
-        "prefix", description="'none' recomputes the whole sequence every step (exact for bidirectional models, slow)")
-    attention_backend: Literal["auto", "sdpa", "flash"] = Field(
-        "auto", description="attention kernel: 'flash' is vllm-flash-attn (CUDA, the gpu extra); auto picks it when usable")
-    model_overrides: dict[str, Any] = Field(
-        default_factory=dict,
-        description="per-model defaults to override: block_length, mask_token_id, eos_token_id, "
-                    "attention (block_causal|bidirectional), default_algorithm, default_algorithm_params")
+class ReplicaSettings(EngineConfig):
+    """The engine settings of every replica, and what Ray and Serve give each one."""
+
     num_cpus: float = Field(0.5, gt=0, description="Ray CPUs reserved per replica")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved per replica")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per replica (default: torch's)")
     max_ongoing_requests: int = Field(4096, ge=1, description="Serve's per-replica in-flight cap (admission bounds it first)")
 
+    @model_validator(mode="after")
+    def _check_algorithm(self) -> "ReplicaSettings":
+        """A named default algorithm is checked here; the model's own is checked at start."""
+        if self.algorithm is not None:
+            from algorithms import AlgorithmError, get_algorithm
 
-class AlgorithmSettings(_Section):
-    name: str | None = Field(None, description="default denoise algorithm (default: the model's own, "
-                                               "from the per-model defaults table)")
-    params: dict[str, Any] = Field(default_factory=dict, description="its default parameters, e.g. {threshold: 0.9}")
+            try:
+                get_algorithm(self.algorithm).make_params(self.algorithm_params)
+            except AlgorithmError as exc:
+                raise ValueError(f"algorithm: {exc}") from exc
+        return self
 
 
 class AdmissionSettings(_Section):
@@ -93,6 +83,9 @@ class KubernetesSettings(_Section):
         None, description="PersistentVolumeClaim with checkpoints, mounted read-only at /models in the workers")
 
 
+_ALGORITHM_KEYS = {"name": "algorithm", "params": "algorithm_params"}
+
+
 class AppConfig(_Section):
     model: str = Field("tiny", description="checkpoint directory, or 'tiny' for the embedded model")
     served_model_name: str | None = Field(None, description="name in /v1/models (default: 'tiny' or the directory name)")
@@ -107,11 +100,24 @@ class AppConfig(_Section):
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none")
     stats_period_s: float = Field(0.5, gt=0, description="how often replicas report routing/metrics stats")
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
-    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     slo: SLOSettings = Field(default_factory=SLOSettings)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_section(cls, raw: Any) -> Any:
+        """``algorithm: {name, params}`` is short for replica.algorithm and replica.algorithm_params."""
+        if not isinstance(raw, dict) or "algorithm" not in raw:
+            return raw
+        raw = dict(raw)
+        section = raw.pop("algorithm")
+        if not isinstance(section, dict) or not set(section) <= {"name", "params"}:
+            raise ValueError("algorithm: a mapping with name and params")
+        if isinstance(raw.setdefault("replica", {}), dict):
+            raw["replica"] = {**raw["replica"], **{_ALGORITHM_KEYS[k]: v for k, v in section.items()}}
+        return raw
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
@@ -119,13 +125,6 @@ class AppConfig(_Section):
             raise ValueError("autoscaling.max_replicas must be >= autoscaling.min_replicas")
         if self.port == self.metrics_port:
             raise ValueError("port and metrics_port must differ")
-        from algorithms import AlgorithmError, get_algorithm
-
-        if self.algorithm.name is not None:  # else checked against the model's default at start
-            try:
-                get_algorithm(self.algorithm.name).make_params(self.algorithm.params)
-            except AlgorithmError as exc:
-                raise ValueError(f"algorithm: {exc}") from exc
         return self
 
     @property
@@ -178,5 +177,6 @@ def describe_fields(model: type[BaseModel] = AppConfig, prefix: str = "") -> lis
             lines += describe_fields(annotation, f"{prefix}{name}.")
             continue
         default = field.get_default(call_default_factory=True)
+        default = default.value if isinstance(default, enum.Enum) else default
         lines.append(f"  {prefix}{name} (default {default!r}): {field.description or ''}")
     return lines

@@ -22,8 +22,9 @@ from cluster.admission import AdmissionController, Charge
 from cluster.config import AppConfig
 from cluster.errors import APIError, bad_request, install_error_handlers
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
-from replicas.limits import length_error
+from replicas.messages import GenerateChunk, GenerateRequest, request_problem
 from replicas.models import load_model_spec, load_tokenizer
+from replicas.settings import resolve_algorithm
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ class Ingress:
         self.replicas = replicas.options(stream=True)
         self.tokenizer = load_tokenizer(self.config.model)
         self.spec = load_model_spec(self.config.model, self.config.replica.model_overrides)
-        self.default_algorithm = self._default_algorithm()
+        default_name, default_params = resolve_algorithm(self.config.replica, self.spec)
+        get_algorithm(default_name).make_params(default_params)  # a bad default fails at start
         self.max_model_len = self.config.replica.max_model_len or self.spec.max_positions
         self.admission = AdmissionController(self.config.admission, self.config.slo.latency_s,
                                              self.config.autoscaling.min_replicas)
@@ -94,7 +96,7 @@ class Ingress:
             raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
                            type_="authentication_error", code="invalid_api_key")
 
-    def _prepare(self, body: protocol.SamplingFields, prompt: str) -> dict:
+    def _prepare(self, body: protocol.SamplingFields, prompt: str) -> GenerateRequest:
         """Validate everything and build the replica's request; raises APIError."""
         if body.model != self.config.model_name:
             raise APIError(404, f"the model '{body.model}' does not exist; this server serves "
@@ -107,60 +109,45 @@ class Ingress:
         if body.mode is not None and body.mode != self.config.replica.mode:
             raise bad_request(f"the replicas run in mode '{self.config.replica.mode.value}'", param="mode")
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        if not prompt_ids:
-            raise bad_request("the prompt is empty", param="prompt")
         max_tokens = body.output_limit if body.output_limit is not None else self.config.default_max_tokens
         if max_tokens <= 0:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         if max_tokens > self.max_model_len:
             raise bad_request(f"max_tokens {max_tokens} is over this model's limit of {self.max_model_len}",
                               param="max_tokens")
-        too_long = length_error(len(prompt_ids), max_tokens, block, self.max_model_len)
-        if too_long:
-            raise bad_request(too_long, param="messages" if isinstance(body, protocol.ChatCompletionRequest)
-                              else "prompt", code="context_length_exceeded")
+        problem = request_problem(prompt_ids, max_tokens, self.spec, self.max_model_len)
+        if problem is not None:
+            chat = isinstance(body, protocol.ChatCompletionRequest)
+            raise bad_request(problem.message, param="messages" if chat and problem.too_long else "prompt",
+                              code="context_length_exceeded" if problem.too_long else None)
         algorithm_name, algorithm_params = self._algorithm(body)
         algorithm = get_algorithm(algorithm_name)
         worst = algorithm.max_steps_per_block(algorithm.make_params(algorithm_params), block)
-        return {
-            "request_id": protocol.new_id("cmpl"),
-            "prompt_ids": prompt_ids,
-            "max_tokens": max_tokens,
-            "stop": body.stop,
-            "algorithm": algorithm_name,
-            "algorithm_params": algorithm_params,
-            "ignore_eos": body.ignore_eos,
-            "cost": self.admission.cost(-(-max_tokens // block), worst),
-        }
-
-    def _default_algorithm(self) -> tuple[str, dict]:
-        """The configured algorithm, else the model's own with the configured params on top
-        (as the engine resolves it); checked here so a bad default fails at start."""
-        named = self.config.algorithm
-        if named.name is not None:
-            name, params = named.name, dict(named.params)
-        else:
-            name, params = self.spec.default_algorithm, {**self.spec.default_algorithm_params, **named.params}
-        get_algorithm(name).make_params(params)
-        return name, params
+        return GenerateRequest(
+            request_id=protocol.new_id("cmpl"),
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            stop=tuple(body.stop or ()),
+            algorithm=algorithm_name,
+            algorithm_params=algorithm_params,
+            ignore_eos=body.ignore_eos,
+            cost=self.admission.cost(max_tokens, block, worst),
+        )
 
     def _algorithm(self, body: protocol.SamplingFields) -> tuple[str, dict]:
-        default_name, default_params = self.default_algorithm
-        name = body.algorithm or default_name
+        """The request's algorithm and parameters: its sampling fields and algorithm_params
+        on top of the default (``replicas.settings.resolve_algorithm``)."""
+        requested = {f: getattr(body, f) for f in _SAMPLING_FIELDS if getattr(body, f) is not None}
+        name, params = resolve_algorithm(self.config.replica, self.spec, body.algorithm,
+                                         {**requested, **(body.algorithm_params or {})})
         try:
             algorithm = get_algorithm(name)
         except AlgorithmError as exc:
             raise bad_request(str(exc), param="algorithm")
-        params = dict(default_params) if name == default_name else {}
         known = set(algorithm.params_class.__dataclass_fields__)
-        for field in _SAMPLING_FIELDS:
-            value = getattr(body, field)
-            if value is None:
-                continue
+        for field in requested:
             if field not in known:
                 raise bad_request(f"algorithm '{name}' has no parameter '{field}'", param=field)
-            params[field] = value
-        params.update(body.algorithm_params or {})
         try:
             algorithm.make_params(params)
         except AlgorithmError as exc:
@@ -170,35 +157,35 @@ class Ingress:
     async def _serve(self, body: protocol.SamplingFields, prompt: str, chat: bool):
         self._ensure_view_task()
         job = self._prepare(body, prompt)
-        decision = self.admission.try_admit(job["cost"])
+        decision = self.admission.try_admit(job.cost)
         self._record_admission(decision.admitted)
         if not decision.admitted:
             raise APIError(429, f"the cluster is at its step capacity; retry in {decision.retry_after_s} s",
                            type_="rate_limit_error", code="step_capacity_exceeded",
                            headers={"Retry-After": str(decision.retry_after_s)})
-        stream = self._charged_stream(job, Charge(self.admission, job["cost"]))
+        stream = self._charged_stream(job, Charge(self.admission, job.cost))
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(stream, job["request_id"], chat, include_usage),
+            return StreamingResponse(self._sse(stream, job.request_id, chat, include_usage),
                                      media_type="text/event-stream")
-        return await self._collect(stream, job["request_id"], chat)
+        return await self._collect(stream, job.request_id, chat)
 
-    async def _charged_stream(self, job: dict, charge: Charge) -> AsyncIterator[dict]:
+    async def _charged_stream(self, job: GenerateRequest, charge: Charge) -> AsyncIterator[GenerateChunk]:
         """The replica's chunks, releasing the admission charge as steps are taken."""
         try:
             async for chunk in self.replicas.generate.remote(job):
-                if chunk.get("error_kind") == "invalid_request":
-                    raise bad_request(chunk["error"])
-                charge.progress(chunk.get("steps", 0))
+                if chunk.error_kind == "invalid_request":
+                    raise bad_request(chunk.error)
+                charge.progress(chunk.steps)
                 yield chunk
         finally:
             charge.close()
 
-    async def _collect(self, stream: AsyncIterator[dict], request_id: str, chat: bool) -> JSONResponse:
+    async def _collect(self, stream: AsyncIterator[GenerateChunk], request_id: str, chat: bool) -> JSONResponse:
         text, last = [], None
         try:
             async for chunk in stream:
-                text.append(chunk["text"])
+                text.append(chunk.text)
                 last = chunk
         except APIError:
             raise
@@ -206,15 +193,15 @@ class Ingress:
             log.exception("request %s failed in a replica", request_id)
             raise APIError(503, f"the replica serving the request failed: {type(exc).__name__}",
                            type_="server_error") from None
-        if last is None or last.get("error"):
-            raise APIError(500, f"generation failed: {last.get('error') if last else 'no output'}",
+        if last is None or last.error:
+            raise APIError(500, f"generation failed: {last.error if last else 'no output'}",
                            type_="server_error")
-        usage = protocol.usage(last["prompt_tokens"], last["completion_tokens"])
+        usage = protocol.usage(last.prompt_tokens, last.completion_tokens)
         build = protocol.chat_body if chat else protocol.completion_body
-        return JSONResponse(build(request_id, self.config.model_name, "".join(text), last["finish_reason"],
+        return JSONResponse(build(request_id, self.config.model_name, "".join(text), last.finish_reason,
                                   chunk=False, usage_=usage, extra={"dllm": self._dllm_info(last)}))
 
-    async def _sse(self, stream: AsyncIterator[dict], request_id: str, chat: bool,
+    async def _sse(self, stream: AsyncIterator[GenerateChunk], request_id: str, chat: bool,
                    include_usage: bool) -> AsyncIterator[str]:
         """One event per committed block, then ``data: [DONE]``."""
         model = self.config.model_name
@@ -223,12 +210,12 @@ class Ingress:
         try:
             async for chunk in stream:
                 last = chunk
-                if chunk.get("error"):
-                    yield protocol.sse_event(APIError(500, f"generation failed: {chunk['error']}", type_="server_error").body())
+                if chunk.error:
+                    yield protocol.sse_event(APIError(500, f"generation failed: {chunk.error}", type_="server_error").body())
                     break
                 extra = {"dllm": self._dllm_info(chunk)}
                 kwargs = {"first": first} if chat else {}
-                yield protocol.sse_event(build(request_id, model, chunk["text"], chunk["finish_reason"], chunk=True,
+                yield protocol.sse_event(build(request_id, model, chunk.text, chunk.finish_reason, chunk=True,
                                    extra=extra, **kwargs))
                 first = False
         except APIError as exc:
@@ -237,17 +224,17 @@ class Ingress:
             log.exception("stream %s failed in a replica", request_id)
             yield protocol.sse_event(APIError(503, f"the replica serving the request failed: {type(exc).__name__}",
                                   type_="server_error").body())
-        if include_usage and last is not None and not last.get("error"):
-            usage = protocol.usage(last["prompt_tokens"], last["completion_tokens"])
+        if include_usage and last is not None and not last.error:
+            usage = protocol.usage(last.prompt_tokens, last.completion_tokens)
             body = build(request_id, model, "", None, chunk=True, usage_=usage)
             body["choices"] = []
             yield protocol.sse_event(body)
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    def _dllm_info(chunk: dict) -> dict:
-        return {"steps": chunk.get("steps"), "block_steps": chunk.get("block_steps"),
-                "replica": chunk.get("replica"), "engine_s": chunk.get("engine_s")}
+    def _dllm_info(chunk: GenerateChunk) -> dict:
+        return {"steps": chunk.steps, "block_steps": chunk.block_steps, "replica": chunk.replica,
+                "engine_s": chunk.engine_s}
 
     # ---- cluster view and metrics -----------------------------------------------------------
     def _metrics_actor(self):

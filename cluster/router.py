@@ -13,6 +13,8 @@ import time
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from replicas.messages import GenerateRequest
+
 
 class DrainTimeRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, stale_after_s: float = 5.0, **kwargs) -> None:
@@ -57,4 +59,4 @@ def _request_cost(pending_request: PendingRequest | None) -> float:
     if pending_request is None or not pending_request.args:
         return 0.0
     job = pending_request.args[0]
-    return float(job.get("cost", 0.0)) if isinstance(job, dict) else 0.0
+    return (job.cost or 0.0) if isinstance(job, GenerateRequest) else 0.0

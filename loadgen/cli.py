@@ -16,7 +16,7 @@ from loadgen.records import Arrival, LoadgenError, Record
 from loadgen.report import format_summary, format_sweep
 from loadgen.runner import Progress, run_open_loop
 from loadgen.stats import summarize
-from replicas.evaluation import TINY_MAX_TOKENS
+from replicas.tiny.task import MAX_TOKENS as TINY_MAX_TOKENS
 
 DESCRIPTION = """\
 Open-loop load against an OpenAI-compatible endpoint: requests leave at Poisson arrival

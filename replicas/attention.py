@@ -3,8 +3,8 @@
 Every step packs the new tokens of all rows into one sequence. A row's keys are the
 tokens already in its pages (prompt and committed blocks) plus its new tokens, which
 are written to the cache before attention reads it back. Which keys a unit sees is the
-runner's choice (``key_valid``): block-causal at page granularity (a query in the row's
-page ``s`` sees every valid key in pages ``<= s``, bidirectional inside a page: the
+runner's choice (``key_valid``): block-causal at page granularity (a query at the row's
+page index ``s`` sees every valid key at page indices ``<= s``, bidirectional inside a page: the
 SDAR / LLaDA2.0 / D2F family, whose committed blocks have an exact KV cache), or every
 page of the row up to its active block (bidirectional LLaDA / Dream).
 
@@ -26,15 +26,16 @@ class BatchLayout:
     """Where each new token of a step lives; built by the runner, read by attention.
 
     The T new tokens come in U page-sized *units* (a unit is at most one page of one row,
-    and starts at the page's first slot). Attention is computed per unit: its queries
-    share one page, so they see the same keys (every valid slot of the row's pages up to
-    and including their own), which is exactly the block-causal mask.
+    and starts at the page's first position). Attention is computed per unit: its queries
+    share one page, so they see the same keys (every valid position of the row's pages up
+    to and including their own), which is exactly the block-causal mask. A *cache
+    position* is a token's flat index in the KV cache: page x page size + offset.
     """
 
     unit_start: torch.Tensor  # [U+1] cumulative new-token counts per unit
-    slot_mapping: torch.Tensor  # [T] flat cache slot each new token's K/V goes to
-    key_slots: torch.Tensor  # [U, Kmax] flat cache slot of each key position
-    key_valid: torch.Tensor  # [U, Kmax] False for unused slots (partial prompt page, padding)
+    cache_positions: torch.Tensor  # [T] cache position each new token's K/V goes to
+    key_cache_positions: torch.Tensor  # [U, Kmax] cache position of each key
+    key_valid: torch.Tensor  # [U, Kmax] False for unused positions (partial prompt page, padding)
 
 
 class PagedAttentionContext:
@@ -45,8 +46,8 @@ class PagedAttentionContext:
         device = k_cache[0].device
         self.k_cache = k_cache
         self.v_cache = v_cache
-        self.slot_mapping = layout.slot_mapping.to(device)
-        self.key_slots = layout.key_slots.to(device)
+        self.cache_positions = layout.cache_positions.to(device)
+        self.key_cache_positions = layout.key_cache_positions.to(device)
         counts = layout.unit_start[1:] - layout.unit_start[:-1]
         self.units = counts.numel()
         self.page_size = page_size
@@ -62,12 +63,12 @@ class PagedAttentionContext:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q[T, H, D]``, ``k``/``v[T, Hkv, D]`` -> ``[T, H, D]``."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
-        units, span = self.key_slots.shape
-        flat_slots = self.key_slots.view(-1)
-        keys = k_cache.index_select(0, flat_slots).view(units, span, *k_cache.shape[1:]).transpose(1, 2)
-        values = v_cache.index_select(0, flat_slots).view(units, span, *v_cache.shape[1:]).transpose(1, 2)
+        k_cache.index_copy_(0, self.cache_positions, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, self.cache_positions, v.to(v_cache.dtype))
+        units, span = self.key_cache_positions.shape
+        flat_positions = self.key_cache_positions.view(-1)
+        keys = k_cache.index_select(0, flat_positions).view(units, span, *k_cache.shape[1:]).transpose(1, 2)
+        values = v_cache.index_select(0, flat_positions).view(units, span, *v_cache.shape[1:]).transpose(1, 2)
         heads, dim = q.shape[1], q.shape[2]
         if self.pad_index is None:
             padded = q
@@ -109,9 +110,9 @@ class FlashAttentionContext:
         device = k_cache[0].device
         self._attn = flash_attn_varlen_func
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.slot_mapping = layout.slot_mapping.to(device)
+        self.cache_positions = layout.cache_positions.to(device)
         valid = layout.key_valid
-        self.key_index = layout.key_slots[valid].to(device)  # unit-major: valid keys of unit 0, 1, ...
+        self.key_index = layout.key_cache_positions[valid].to(device)  # unit-major: valid keys of unit 0, 1, ...
         key_counts = valid.sum(1)
         self.cu_k = torch.zeros(key_counts.numel() + 1, dtype=torch.int32)
         torch.cumsum(key_counts, 0, out=self.cu_k[1:])
@@ -123,8 +124,8 @@ class FlashAttentionContext:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        k_cache.index_copy_(0, self.cache_positions, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, self.cache_positions, v.to(v_cache.dtype))
         keys = k_cache.index_select(0, self.key_index).to(q.dtype)
         values = v_cache.index_select(0, self.key_index).to(q.dtype)
         return self._attn(q, keys, values, cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,

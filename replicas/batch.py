@@ -1,4 +1,4 @@
-"""The plain data object the scheduler hands the runner for one step."""
+"""The plain data object the scheduler hands the runner for one step (tensors and ints only)."""
 
 from __future__ import annotations
 
@@ -6,31 +6,38 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas.request import Request
-
 
 @dataclass
 class ScheduledBatch:
     """One forward's worth of work.
 
-    The new tokens are a list of page-sized *units*, sorted by row then page: a unit is
-    ``unit_count[u]`` tokens at the start of page ``unit_segment[u]`` of row ``unit_row[u]``
-    (prompt chunks are page aligned, so every unit starts at offset 0). Block units are the
-    rows' active blocks, whose logits are computed; ``stepped`` says which of them the
-    algorithm advances (the others are idle rows that the sync/static baselines still
-    compute, and whose writes go to the scratch page).
+    The new tokens are a list of page-sized *units*, sorted by row then page index: a unit
+    is ``unit_count[u]`` tokens at the start of page index ``unit_page_index[u]`` of row
+    ``unit_row[u]`` (a ``RowTable`` row; prompt chunks are page aligned, so every unit
+    starts at offset 0). Block units are the rows' active blocks, whose logits are
+    computed; ``stepped`` says which of them the algorithm advances (the others are idle
+    rows that the sync/static baselines still compute, and whose writes go to the scratch
+    page).
     """
 
-    rows: list[Request]
-    row_slots: torch.Tensor  # [B]
+    num_rows: int  # rows in the forward
     unit_row: torch.Tensor  # [U]
-    unit_segment: torch.Tensor  # [U]
+    unit_page_index: torch.Tensor  # [U]
     unit_count: torch.Tensor  # [U]
     unit_is_block: torch.Tensor  # [U] bool
     unit_scratch: torch.Tensor  # [U] bool: write K/V to the scratch page
-    block_rows: list[Request]  # rows with a block unit, in unit order
-    stepped: torch.Tensor  # [R] bool over block_rows
+    stepped: torch.Tensor  # [R] bool over the block units
+    block_steps: torch.Tensor  # [R] steps each block unit's block took before this one
+
+    @property
+    def block_rows(self) -> torch.Tensor:
+        """[R] the row of each block unit."""
+        return self.unit_row[self.unit_is_block]
 
     @property
     def num_tokens(self) -> int:
         return int(self.unit_count.sum())
+
+    @property
+    def prompt_units(self) -> int:
+        return int((~self.unit_is_block).sum())

@@ -1,9 +1,10 @@
 """The body of the Ray Serve replica deployment: one engine per replica.
 
 The cluster wraps this class with ``serve.deployment``; nothing here knows about the
-ingress. Requests arrive already tokenized and validated, as plain dicts; every
-committed block goes back as one dict of a streaming generator. Statistics are pushed
-to the metrics actor (looked up by name) every ``stats_period_s``.
+ingress. Requests arrive tokenized and validated, as a ``GenerateRequest``; every
+committed block goes back as one ``GenerateChunk`` of a streaming generator (both in
+``replicas.messages``). Statistics are pushed to the metrics actor (looked up by name)
+every ``stats_period_s``.
 """
 
 from __future__ import annotations
@@ -16,22 +17,26 @@ from collections.abc import AsyncIterator
 import torch
 
 from replicas.async_engine import AsyncEngine
-from replicas.engine import Engine, EngineConfig
+from replicas.engine import Engine
+from replicas.limits import request_cost
+from replicas.messages import GenerateChunk, GenerateRequest
 from replicas.monitor import ReplicaMonitor
 from replicas.request import FinishReason, RequestError, SamplingParams
+from replicas.settings import EngineConfig
 
 log = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    def __init__(self, model: str, engine_config: dict, metrics_actor: dict | None = None,
+    def __init__(self, model: str, config: EngineConfig, metrics_actor: dict | None = None,
                  stats_period_s: float = 0.5, initial_row_steps_per_s: float = 500.0,
                  torch_threads: int | None = None, stuck_after_s: float = 60.0):
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        engine = Engine.from_pretrained(model, EngineConfig(**engine_config))
+        engine = Engine.from_pretrained(model, config)
         self.engine = engine
-        self.monitor = ReplicaMonitor(initial_row_steps_per_s)
+        self.monitor = ReplicaMonitor(initial_row_steps_per_s,
+                                      steps_per_block=engine.cost_model.steps_per_block_counts)
         self._refresh_gauges()
         self.stuck_after_s = stuck_after_s
         self.replica_id = self._replica_tag()
@@ -54,27 +59,22 @@ class EngineReplica:
     # ---- requests -------------------------------------------------------------------
     def worst_case_cost(self, params: SamplingParams) -> float:
         request = self.engine.make_request([0], params)
-        return request.max_blocks * request.algorithm.max_steps_per_block(
-            request.algorithm_params, self.engine.block_length)
+        block = self.engine.block_length
+        return request_cost(params.max_tokens, block, request.algorithm.max_steps_per_block(request.algorithm_params, block))
 
-    async def generate(self, request: dict) -> AsyncIterator[dict]:
-        """Stream one dict per committed block for a tokenized request.
-
-        ``request``: prompt_ids, max_tokens, stop, algorithm, algorithm_params, ignore_eos,
-        request_id, cost (row-steps charged at admission; optional).
-        """
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream one chunk per committed block of a tokenized request."""
         start = time.monotonic()
-        request_id = request["request_id"]
+        request_id = request.request_id
         try:
             params = SamplingParams(
-                max_tokens=request["max_tokens"], stop=tuple(request.get("stop") or ()),
-                algorithm=request.get("algorithm"), algorithm_params=request.get("algorithm_params") or {},
-                ignore_eos=bool(request.get("ignore_eos", False)))
-            cost = request.get("cost") or self.worst_case_cost(params)
-            stream = self.runner.generate(request["prompt_ids"], params, request_id)
+                max_tokens=request.max_tokens, stop=tuple(request.stop), algorithm=request.algorithm,
+                algorithm_params=request.algorithm_params, ignore_eos=request.ignore_eos)
+            cost = request.cost if request.cost is not None else self.worst_case_cost(params)
+            stream = self.runner.generate(request.prompt_ids, params, request_id)
             first_block = None
         except RequestError as exc:
-            yield {"error": str(exc), "error_kind": "invalid_request", "finished": True}
+            yield GenerateChunk.refusal(str(exc))
             return
         self.monitor.request_started(request_id, cost)
         reason, tokens, blocks = FinishReason.ABORT.value, 0, 0
@@ -87,22 +87,22 @@ class EngineReplica:
                 if output.finished:
                     reason = output.finish_reason.value
                     blocks = 0 if output.error else len(output.block_steps)
-                yield {
-                    "text": output.new_text,
-                    "num_new_tokens": len(output.new_token_ids),
-                    "finished": output.finished,
-                    "finish_reason": output.finish_reason.value if output.finish_reason else None,
-                    "error": output.error,
-                    "prompt_tokens": output.num_prompt_tokens,
-                    "completion_tokens": output.num_output_tokens,
-                    "steps": output.num_steps,
-                    "block_steps": output.block_steps,
-                    "replica": self.replica_id,
-                    "engine_s": time.monotonic() - start,
-                }
+                yield GenerateChunk(
+                    text=output.new_text,
+                    num_new_tokens=len(output.new_token_ids),
+                    finished=output.finished,
+                    finish_reason=output.finish_reason.value if output.finish_reason else None,
+                    error=output.error,
+                    prompt_tokens=output.num_prompt_tokens,
+                    completion_tokens=output.num_output_tokens,
+                    steps=output.num_steps,
+                    block_steps=output.block_steps,
+                    replica=self.replica_id,
+                    engine_s=time.monotonic() - start,
+                )
         except RequestError as exc:
             reason = FinishReason.ERROR.value
-            yield {"error": str(exc), "error_kind": "invalid_request", "finished": True}
+            yield GenerateChunk.refusal(str(exc))
         finally:
             self.monitor.request_finished(request_id, reason, time.monotonic() - start, first_block, tokens, blocks)
 

@@ -1,5 +1,9 @@
 """The replica engine: schedule, run, denoise, commit, once per step.
 
+The scheduler owns request state (``replicas.scheduler``); the engine runs the forward and
+the algorithms, commits done blocks to the outputs and hands the step's outcome back to
+the scheduler.
+
 ``Engine`` is synchronous and single-threaded in its step loop; ``add_request`` and
 ``abort`` may be called from other threads (they go through an inbox drained at the
 start of every step). ``replicas.async_engine`` runs it in a thread for asyncio callers.
@@ -7,13 +11,11 @@ start of every step). ``replicas.async_engine`` runs it in a thread for asyncio 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,14 +23,16 @@ import torch
 from algorithms import AlgorithmError, get_algorithm
 from replicas.cost_model import OnlineCostModel
 from replicas.kv_cache import KVCache, PagePool
-from replicas.limits import length_error, pages_needed
 from replicas.models import load_model, load_tokenizer
+from replicas.messages import request_problem
 from replicas.output import OutputProcessor
-from replicas.batching import Phase, SchedulerMode
+from replicas.batch import ScheduledBatch
+from replicas.batching import SchedulerMode
 from replicas.request import FinishReason, Request, RequestError, RequestOutput, SamplingParams
+from replicas.rows import RowTable
 from replicas.runner import ModelRunner
 from replicas.scheduler import Scheduler
-from replicas.slots import SlotTable
+from replicas.settings import EngineConfig, resolve_algorithm
 from replicas.stats import EngineTotals, StepStats
 
 log = logging.getLogger(__name__)
@@ -36,34 +40,19 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
-class EngineConfig:
-    mode: str = "fdfo"
-    max_batch: int = 16
-    num_pages: int | None = None  # None: enough for max_batch requests of max_model_len
-    max_tokens_per_step: int | None = None  # None: max(512, max_batch x block length)
-    max_model_len: int | None = None  # None: the model's position limit
-    default_algorithm: str | None = None  # None: the model's default (replicas.models.defaults)
-    default_algorithm_params: dict[str, Any] = field(default_factory=dict)
-    device: str = "cpu"
-    dtype: str | None = None  # None: bfloat16 on CUDA, float32 elsewhere
-    kv_cache: str = "prefix"  # or "none": recompute the whole sequence every step (replicas.runner)
-    attention_backend: str = "auto"  # "sdpa", "flash" (vllm-flash-attn, CUDA) or "auto"
-    lora: str | None = None  # PEFT adapter directory merged into the weights at load
-    model_overrides: dict[str, Any] = field(default_factory=dict)  # block_length, ids, attention, ...
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype is None:
-            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
-    fill_timeout_s: float | None = None  # fixed_fill: None = tuned online, else fixed seconds
-    fdfo_fill_hold: bool = True  # fdfo: an under-filled step may wait briefly for arrivals
+def torch_dtype(config: EngineConfig) -> torch.dtype:
+    if config.dtype is None:
+        return torch.bfloat16 if torch.device(config.device).type == "cuda" else torch.float32
+    return DTYPES[config.dtype]
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """``clock`` times arrivals, waits and finishes (step durations are measured with
+        ``time.perf_counter``); a test may pass a virtual one and step the engine itself."""
         self.config = config = config or EngineConfig()
+        self.clock = clock
         spec = model.spec
         self.spec = spec
         self.tokenizer = tokenizer
@@ -76,26 +65,22 @@ class Engine:
         budget = config.max_tokens_per_step or max(512, config.max_batch * size)
         if budget < config.max_batch * size:
             raise ValueError(f"max_tokens_per_step {budget} cannot hold {config.max_batch} blocks of {size}")
-        if config.default_algorithm is None:
-            self.config = config = dataclasses.replace(
-                config, default_algorithm=spec.default_algorithm,
-                default_algorithm_params={**spec.default_algorithm_params, **config.default_algorithm_params})
-        self.default_algorithm = get_algorithm(config.default_algorithm)
-        self.default_algorithm.make_params(config.default_algorithm_params)  # validate early
+        default_name, default_params = resolve_algorithm(config, spec)
+        get_algorithm(default_name).make_params(default_params)  # validate early
         device = torch.device(config.device)
-        dtype = config.torch_dtype
+        dtype = torch_dtype(config)
         self.model = model.to(device=device, dtype=dtype).eval()
         self.pool = PagePool(num_pages)
-        self.slots = SlotTable(config.max_batch, self.max_pages_per_request, size,
-                               pad_id=spec.eos_token_id)
+        self.rows = RowTable(config.max_batch, self.max_pages_per_request, size, pad_id=spec.eos_token_id)
         kv_cache = KVCache(spec.num_layers, num_pages, size, spec.num_kv_heads, spec.head_dim, dtype, device)
-        self.runner = ModelRunner(self.model, self.slots, kv_cache, device, config.kv_cache,
+        self.runner = ModelRunner(self.model, self.rows, kv_cache, device, config.kv_cache,
                                   config.attention_backend)
-        self.cost_model = OnlineCostModel(config.max_batch)
-        self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.slots, config.max_batch,
+        self.cost_model = OnlineCostModel(config.max_batch, clock=clock)
+        self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.rows, config.max_batch,
                                    budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,
-                                   fdfo_hold=self.cost_model.fdfo_hold if config.fdfo_fill_hold else (lambda rows: 0.0))
-        self.outputs = OutputProcessor(tokenizer, spec.eos_token_id)
+                                   fdfo_hold=self.cost_model.fdfo_hold if config.fdfo_fill_hold else (lambda rows: 0.0),
+                                   clock=clock)
+        self.outputs = OutputProcessor(tokenizer, spec.eos_token_id, clock)
         self.totals = EngineTotals()
         self._requests: dict[str, Request] = {}
         self._inbox: list[tuple[str, Any]] = []
@@ -105,7 +90,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str = "tiny", config: EngineConfig | None = None) -> "Engine":
         config = config or EngineConfig()
-        net = load_model(model, config.torch_dtype, config.device, lora=config.lora,
+        net = load_model(model, torch_dtype(config), config.device, lora=config.lora,
                          overrides=config.model_overrides)
         return cls(net, load_tokenizer(model), config)
 
@@ -120,22 +105,12 @@ class Engine:
         """Validate and build a request (raises RequestError); does not enqueue it."""
         params = params or SamplingParams()
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        if any(not 0 <= t < self.spec.vocab_size for t in prompt_ids):
-            raise RequestError("the prompt has token ids outside the vocabulary")
-        if self.spec.mask_token_id in prompt_ids:
-            raise RequestError("the prompt contains the mask token id")
-        too_long = length_error(len(prompt_ids), params.max_tokens, self.block_length, self.max_model_len)
-        if too_long:
-            raise RequestError(too_long)
-        needed = pages_needed(len(prompt_ids), params.max_tokens, self.block_length)
-        if needed > self.pool.capacity:
-            raise RequestError(f"the request needs {needed} KV pages; the pool has {self.pool.capacity}")
+        problem = request_problem(prompt_ids, params.max_tokens, self.spec, self.max_model_len, self.pool.capacity)
+        if problem:
+            raise RequestError(problem.message)
+        name, overrides = resolve_algorithm(self.config, self.spec, params.algorithm, params.algorithm_params)
         try:
-            algorithm = get_algorithm(params.algorithm) if params.algorithm else self.default_algorithm
-            overrides = params.algorithm_params if params.algorithm else {
-                **self.config.default_algorithm_params, **params.algorithm_params}
+            algorithm = get_algorithm(name)
             algorithm_params = algorithm.make_params(overrides)
         except AlgorithmError as exc:
             raise RequestError(str(exc)) from exc
@@ -146,6 +121,7 @@ class Engine:
             algorithm=algorithm,
             algorithm_params=algorithm_params,
             block_length=self.block_length,
+            arrival_time=self.clock(),
             on_output=on_output,
         )
 
@@ -165,9 +141,10 @@ class Engine:
         return bool(self._inbox or self.scheduler.has_work())
 
     def hold_s(self) -> float:
-        """How long the scheduler chose to wait before its next step (fixed_fill), else 0."""
+        """How long the scheduler chose to wait before its next step (fixed_fill's fill
+        wait, fdfo's hold for arrivals), else 0."""
         hold_until = self.scheduler.hold_until
-        return max(0.0, hold_until - time.monotonic()) if hold_until is not None else 0.0
+        return max(0.0, hold_until - self.clock()) if hold_until is not None else 0.0
 
     def _fill_timeout(self) -> float:
         if self.config.fill_timeout_s is not None:
@@ -184,13 +161,13 @@ class Engine:
         try:
             logits, forward_s = self.runner.forward(batch)
         except Exception as exc:  # a broken forward fails its rows, never the engine
-            log.exception("forward failed; failing %d requests", len(batch.rows))
-            for request in batch.rows:
+            log.exception("forward failed; failing %d requests", batch.num_rows)
+            for request in self.scheduler.scheduled:
                 self._fail(request, f"model forward failed: {exc}")
             return None
         committed = self._denoise_and_commit(batch, logits)
         stats = StepStats(
-            batch_size=len(batch.rows),
+            batch_size=batch.num_rows,
             active_rows=int(batch.stepped.sum()),
             num_tokens=batch.num_tokens,
             forward_s=forward_s,
@@ -199,26 +176,42 @@ class Engine:
             running=len(self.scheduler.running),
             blocks_committed=len(committed),
             block_steps=tuple(committed),
-            prompt_units=len(batch.unit_is_block) - len(batch.block_rows),
+            prompt_units=batch.prompt_units,
         )
         self.totals.record(stats)
         self.cost_model.observe_step(stats.batch_size, stats.step_s, stats.block_steps)
         return stats
 
-    def _denoise_and_commit(self, batch, logits: torch.Tensor) -> list[int]:
-        """Advance stepped rows with their algorithms; commit done blocks; return their step counts."""
-        if bool(batch.stepped.all()):
-            stepped_rows = batch.block_rows
-        else:
-            stepped_rows = [r for r, s in zip(batch.block_rows, batch.stepped.tolist()) if s]
-            logits = logits[batch.stepped]
-        if not stepped_rows:
+    def _denoise_and_commit(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int]:
+        """Advance the stepped blocks with their algorithms, commit the done ones, hand the
+        outcome to the scheduler and stream it; return the committed blocks' step counts."""
+        requests = self.scheduler.stepped
+        if not requests:
             return []
-        slots = torch.tensor([r.slot for r in stepped_rows])
-        segments = torch.tensor([r.active_segment for r in stepped_rows])
-        blocks = self.slots.blocks(slots, segments)
-        done = torch.zeros(len(stepped_rows), dtype=torch.bool)
-        groups = self._group_by_algorithm(stepped_rows)
+        if not bool(batch.stepped.all()):
+            logits = logits[batch.stepped]
+        rows = torch.tensor([r.row for r in requests])
+        page_indices = torch.tensor([r.active_page_index for r in requests])
+        blocks = self.rows.blocks(rows, page_indices)
+        done = self._run_algorithms(requests, logits, blocks).tolist()
+        self.rows.write_blocks(rows, page_indices, blocks)
+        added = {i: self.outputs.commit_block(requests[i], blocks[i].tolist()) for i, d in enumerate(done) if d}
+        self.scheduler.update_from_step(done)
+        for i, (new_ids, new_text) in added.items():
+            request = requests[i]
+            self.totals.output_tokens += len(new_ids)
+            if request.finish_reason is not None:
+                self.totals.requests_finished += 1
+                self.cost_model.observe_finished(len(request.committed_block_steps))
+                self._requests.pop(request.request_id, None)
+            request.emit(OutputProcessor.snapshot(request, new_ids, new_text))
+        return [requests[i].block_steps for i in added]
+
+    def _run_algorithms(self, requests: list[Request], logits: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """One algorithm step per block, in place; [R] bool: the block is done. A failing
+        algorithm fails its requests (their blocks stay not done)."""
+        done = torch.zeros(len(requests), dtype=torch.bool)
+        groups = self._group_by_algorithm(requests)
         for algorithm, members in groups.items():
             whole = len(groups) == 1  # the common case: no gather/scatter of the group
             index = slice(None) if whole else torch.tensor(members)
@@ -226,35 +219,16 @@ class Engine:
             try:
                 done[index] = algorithm.step(
                     logits[index], sub_blocks, self.spec.mask_token_id,
-                    [stepped_rows[i].algorithm_params for i in members],
-                    [stepped_rows[i].algorithm_state for i in members])
+                    [requests[i].algorithm_params for i in members],
+                    [requests[i].algorithm_state for i in members])
             except Exception as exc:
                 log.exception("algorithm %s failed", algorithm.name)
                 for i in members:
-                    self._fail(stepped_rows[i], f"algorithm {algorithm.name} failed: {exc}")
+                    self._fail(requests[i], f"algorithm {algorithm.name} failed: {exc}")
                 continue
             if not whole:
                 blocks[index] = sub_blocks
-        self.slots.write_blocks(slots, segments, blocks)
-        committed = []
-        for i, (request, is_done) in enumerate(zip(stepped_rows, done.tolist())):
-            if request.phase is not Phase.DENOISE:
-                continue  # failed above
-            request.block_steps += 1
-            request.num_steps += 1
-            if is_done:
-                committed.append(request.block_steps)
-                output = self.outputs.commit_block(request, blocks[i].tolist())
-                self.totals.output_tokens += len(output.new_token_ids)
-                if output.finished:
-                    request.phase = Phase.FINISHED
-                    self.totals.requests_finished += 1
-                    self.cost_model.observe_finished(len(request.committed_block_steps))
-                    self._requests.pop(request.request_id, None)
-                else:
-                    request.phase = Phase.BLOCK_DONE
-                request.emit(output)
-        return committed
+        return done
 
     @staticmethod
     def _group_by_algorithm(rows: list[Request]) -> dict:
@@ -287,12 +261,10 @@ class Engine:
         self.totals.requests_failed += 1
 
     def _end(self, request: Request, reason: FinishReason, error: str | None) -> None:
-        if request.phase is Phase.WAITING or request.slot >= 0:
-            self.scheduler.remove(request)
-        request.phase = Phase.FINISHED
+        self.scheduler.remove(request)
         if request.finish_reason is None:
             request.finish_reason = reason
-            request.finish_time = time.monotonic()
+            request.finish_time = self.clock()
             request.emit(OutputProcessor.snapshot(request, [], "", error))
 
     # ---- offline convenience ---------------------------------------------------------

@@ -56,16 +56,11 @@ class PagePool:
 
 
 class KVCache:
-    """Per-layer K and V tensors, flat over slots: ``[num_pages * page_size, heads, head_dim]``."""
+    """Per-layer K and V tensors indexed by cache position (page x page size + offset):
+    ``[num_pages * page_size, heads, head_dim]``."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device):
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * element

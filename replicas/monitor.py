@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 
 from replicas.calibration_log import CalibrationLog
 from replicas.stats import StepStats
@@ -26,14 +27,17 @@ from replicas.stats import StepStats
 class ReplicaMonitor:
     WINDOW_STEPS = 256  # steps in the drain-rate window
 
-    def __init__(self, initial_row_steps_per_s: float, max_report_samples: int = 4096):
+    def __init__(self, initial_row_steps_per_s: float, max_report_samples: int = 4096,
+                 steps_per_block: Callable[[], dict[int, int]] = dict):
+        """``steps_per_block``: the engine's count of steps per committed block since start
+        (``OnlineCostModel.steps_per_block_counts``), reported for admission quantiles."""
+        self.steps_per_block = steps_per_block
         self.initial_rate = initial_row_steps_per_s
         self.max_samples = max_report_samples
         self._lock = threading.Lock()
         self._window: deque[tuple[int, float]] = deque(maxlen=self.WINDOW_STEPS)
         self._debt: dict[str, tuple[float, int]] = {}  # request id -> (cost, steps taken)
         self._gauges = {"waiting": 0, "running": 0, "free_pages": 0, "total_pages": 0}
-        self._steps_per_block: Counter = Counter()  # since start, for admission quantiles
         self._calibration = CalibrationLog()  # records not yet reported
         self._reset_report()
 
@@ -68,7 +72,6 @@ class ReplicaMonitor:
                 self._overheads.append(stats.overhead_s)
                 self._batch_sizes.append(stats.batch_size)
             self._block_steps.extend(stats.block_steps[: self.max_samples - len(self._block_steps)])
-            self._steps_per_block.update(stats.block_steps)
 
     def set_gauges(self, waiting: int, running: int, free_pages: int, total_pages: int) -> None:
         """Current queue lengths and pages, read from the engine by the replica."""
@@ -116,7 +119,7 @@ class ReplicaMonitor:
                 "row_steps_per_s": rate,
                 "predicted_drain_s": debt / rate,
                 "live_requests": len(self._debt),
-                "steps_per_block": dict(self._steps_per_block),
+                "steps_per_block": self.steps_per_block(),
                 "stats_time": time.time(),
                 **self._gauges,
             }

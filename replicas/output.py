@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from replicas.request import FinishReason, Request, RequestOutput
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_id: int):
+    def __init__(self, tokenizer, eos_id: int, clock: Callable[[], float] = time.monotonic):
         self.tokenizer = tokenizer
         self.eos_id = eos_id
+        self.clock = clock
 
-    def commit_block(self, request: Request, block_ids: list[int]) -> RequestOutput:
-        """Append a done block to ``request``'s output and say whether it finished."""
+    def commit_block(self, request: Request, block_ids: list[int]) -> tuple[list[int], str]:
+        """Append a done block to ``request``'s output, set its finish reason if this ends
+        it (EOS, max_tokens, a stop string), and return the token ids and text it added."""
         params = request.params
         finish = None
         if not params.ignore_eos and self.eos_id in block_ids:
@@ -31,14 +34,13 @@ class OutputProcessor:
             finish = FinishReason.STOP
         new_text = text[len(request.output_text):]
         request.output_text = text
-        request.committed_block_steps.append(request.block_steps)
-        now = time.monotonic()
+        now = self.clock()
         if request.first_block_time is None:
             request.first_block_time = now
         if finish is not None:
             request.finish_reason = finish
             request.finish_time = now
-        return self.snapshot(request, block_ids, new_text)
+        return block_ids, new_text
 
     @staticmethod
     def snapshot(request: Request, new_ids: list[int], new_text: str, error: str | None = None) -> RequestOutput:

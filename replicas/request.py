@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from algorithms import AlgorithmParams, DllmAlgorithm
 from replicas.batching import Phase
+from replicas.limits import blocks_needed
 
 
 class RequestError(ValueError):
@@ -62,34 +62,36 @@ class Request:
     algorithm: DllmAlgorithm
     algorithm_params: AlgorithmParams
     block_length: int
+    arrival_time: float  # on the engine's clock
     on_output: Callable[[RequestOutput], None] | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
 
+    # where the request stands: changed by the scheduler only (replicas.scheduler)
     phase: Phase = Phase.WAITING
-    slot: int = -1
+    row: int = -1
     pages: list[int] = field(default_factory=list)
     reserved_pages: int = 0
     prompt_pages: int = 0
     prompt_done: int = 0  # prompt tokens whose KV is in the cache
     block_index: int = 0  # index of the active answer block
     block_steps: int = 0  # forwards of the active block so far
-    algorithm_state: Any = None
-    output_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
     committed_block_steps: list[int] = field(default_factory=list)
     num_steps: int = 0
+    algorithm_state: Any = None
+    # what it produced: changed by the output processor (replicas.output) and the engine
+    output_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
     finish_reason: FinishReason | None = None
     first_block_time: float | None = None
     finish_time: float | None = None
 
     @property
-    def active_segment(self) -> int:
-        """Page index (within the request) of the active block."""
+    def active_page_index(self) -> int:
+        """Page index of the active block."""
         return self.prompt_pages + self.block_index
 
     @property
     def max_blocks(self) -> int:
-        return -(-self.params.max_tokens // self.block_length)
+        return blocks_needed(self.params.max_tokens, self.block_length)
 
     def emit(self, output: RequestOutput) -> None:
         if self.on_output is not None:

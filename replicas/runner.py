@@ -1,4 +1,5 @@
-"""Turns a ScheduledBatch into model inputs and runs the forward.
+"""Turns a ScheduledBatch (tensors only; the runner never sees a request) into model
+inputs and runs the forward.
 
 KV policy by attention kind (``ModelSpec.attention``) and ``kv_cache`` mode:
 
@@ -18,7 +19,7 @@ committed blocks and itself (LLaDA's reference generate also attends to the mask
 later blocks; serving without them keeps a request's work proportional to its progress).
 
 Shifted models (Dream): the logit of a block's first token is the output at the token
-before the block, which is fed only when the row refreshes; it is kept per slot and
+before the block, which is fed only when the row refreshes; it is kept per row and
 reused for the block's later (cached) steps.
 """
 
@@ -32,20 +33,19 @@ from torch import nn
 from replicas.attention import BatchLayout, paged_context, resolve_backend
 from replicas.batch import ScheduledBatch
 from replicas.kv_cache import KVCache, PagePool
-from replicas.batching import Phase
-from replicas.slots import SlotTable
+from replicas.rows import RowTable
 
 KV_CACHE_MODES = ("prefix", "none")
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, slots: SlotTable, kv_cache: KVCache, device: torch.device,
+    def __init__(self, model: nn.Module, rows: RowTable, kv_cache: KVCache, device: torch.device,
                  kv_cache_mode: str = "prefix", attention_backend: str = "auto"):
         if kv_cache_mode not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache {kv_cache_mode!r}; choose one of {list(KV_CACHE_MODES)}")
         spec = model.spec
         self.model = model
-        self.slots = slots
+        self.rows = rows
         self.kv_cache = kv_cache
         self.device = device
         self.block_length = spec.block_length
@@ -56,85 +56,85 @@ class ModelRunner:
         self.refreshes = self.refresh_every_step or self.bidirectional or self.shift_logits
         self.backend = resolve_backend(attention_backend, device, kv_cache.k[0].dtype)
         self._offsets = torch.arange(self.block_length)
-        self._first_logits: torch.Tensor | None = None  # [slots, V]: shifted models' first logit
+        self._first_logits: torch.Tensor | None = None  # [rows, V]: shifted models' first logit
 
     def _refreshed(self, batch: ScheduledBatch) -> torch.Tensor:
-        """[R] bool over block rows: recompute the row's whole sequence this step."""
+        """[R] bool over block units: recompute the row's whole sequence this step (a
+        stepped block's first step, or every step without a cache)."""
         if not self.refreshes:
-            return torch.zeros(len(batch.block_rows), dtype=torch.bool)
-        return torch.tensor([r.phase is Phase.DENOISE and (self.refresh_every_step or r.block_steps == 0)
-                             for r in batch.block_rows], dtype=torch.bool)
+            return torch.zeros_like(batch.stepped)
+        return batch.stepped & (self.refresh_every_step or batch.block_steps == 0)
 
     def _units(self, batch: ScheduledBatch, refreshed: torch.Tensor):
         """The units to compute: the scheduler's, with refreshed rows expanded to every page
         up to their block (and prompt chunks dropped where refreshes recompute them)."""
-        segment, count, is_block, scratch = (batch.unit_segment, batch.unit_count,
-                                             batch.unit_is_block, batch.unit_scratch)
+        page_index, count, is_block, scratch = (batch.unit_page_index, batch.unit_count,
+                                                batch.unit_is_block, batch.unit_scratch)
         if not self.refreshes:
-            return batch.unit_row, segment, count, is_block, scratch
+            return batch.unit_row, page_index, count, is_block, scratch
         unit_refresh = torch.zeros_like(is_block)
         unit_refresh[is_block] = refreshed
         keep = is_block if (self.bidirectional or self.refresh_every_step) else torch.ones_like(is_block)
         source = torch.arange(is_block.numel())[keep]
-        width = torch.where(unit_refresh[source], segment[source] + 1, 1)
+        width = torch.where(unit_refresh[source], page_index[source] + 1, 1)
         source = source.repeat_interleave(width)
         starts = torch.cumsum(width, 0) - width
         within = torch.arange(source.numel()) - starts.repeat_interleave(width)
-        new_segment = torch.where(unit_refresh[source], within, segment[source])
-        own = new_segment == segment[source]
-        slot = batch.row_slots[batch.unit_row[source]]
-        page_count = torch.where(new_segment == self.slots.prompt_pages[slot] - 1,
-                                 self.slots.prompt_tail[slot], self.block_length)
+        new_page_index = torch.where(unit_refresh[source], within, page_index[source])
+        own = new_page_index == page_index[source]
+        row = batch.unit_row[source]
+        page_count = torch.where(new_page_index == self.rows.prompt_pages[row] - 1,
+                                 self.rows.prompt_tail[row], self.block_length)
         new_count = torch.where(own, count[source], page_count)
-        return batch.unit_row[source], new_segment, new_count, is_block[source] & own, scratch[source] & own
+        return row, new_page_index, new_count, is_block[source] & own, scratch[source] & own
 
     def build_inputs(self, batch: ScheduledBatch, refreshed: torch.Tensor):
         """Packed input ids, positions, attention layout and the logits' token indices
         (``[R, L]``; for shifted models the token before each position)."""
-        size, slots, offsets = self.block_length, self.slots, self._offsets
-        unit_row, segment, unit_count, unit_is_block, unit_scratch = self._units(batch, refreshed)
-        unit_slot = batch.row_slots[unit_row]
-        flat_page = unit_slot * slots.max_pages + segment
+        size, rows, offsets = self.block_length, self.rows, self._offsets
+        unit_row, page_index, unit_count, unit_is_block, unit_scratch = self._units(batch, refreshed)
+        flat_page = unit_row * rows.max_pages + page_index
         valid = offsets < unit_count[:, None]  # [U, L]
-        input_ids = slots.tokens.view(-1, size)[flat_page][valid]
-        prompt_pages = slots.prompt_pages[unit_slot]
-        positions = segment[:, None] * size + offsets
+        input_ids = rows.tokens.view(-1, size)[flat_page][valid]
+        prompt_pages = rows.prompt_pages[unit_row]
+        prompt_tail = rows.prompt_tail[unit_row]
+        positions = page_index[:, None] * size + offsets
         if self.contiguous_positions:  # no gap between the prompt's last token and the blocks
-            positions = positions - ((segment >= prompt_pages) * (size - slots.prompt_tail[unit_slot]))[:, None]
+            positions = positions - ((page_index >= prompt_pages) * (size - prompt_tail))[:, None]
         positions = positions[valid]
-        page = slots.page_table.view(-1)[flat_page]
+        page = rows.page_table.view(-1)[flat_page]
         page = torch.where(unit_scratch, PagePool.SCRATCH_PAGE, page)
-        slot_mapping = (page[:, None] * size + offsets)[valid]
+        cache_positions = (page[:, None] * size + offsets)[valid]
 
         unit_start = torch.zeros(unit_count.numel() + 1, dtype=torch.long)
         torch.cumsum(unit_count, 0, out=unit_start[1:])
         if self.bidirectional:  # every page of the row up to its active block
-            top = torch.zeros(len(batch.rows), dtype=torch.long).scatter_reduce(
-                0, unit_row, segment, reduce="amax")
+            top = torch.zeros(rows.num_rows, dtype=torch.long).scatter_reduce(
+                0, unit_row, page_index, reduce="amax")
             sees = top[unit_row]
         else:
-            sees = segment
+            sees = page_index
         key_pages = int(sees.max()) + 1
-        table = slots.page_table[unit_slot, :key_pages]
-        key_slots = (table[:, :, None] * size + offsets).view(-1, key_pages * size)
-        key_segment = torch.arange(key_pages).repeat_interleave(size)
+        table = rows.page_table[unit_row, :key_pages]
+        key_cache_positions = (table[:, :, None] * size + offsets).view(-1, key_pages * size)
+        key_page_index = torch.arange(key_pages).repeat_interleave(size)
         key_offset = offsets.repeat(key_pages)
-        key_valid = (key_segment <= sees[:, None]) & (
-            (key_segment != prompt_pages[:, None] - 1) | (key_offset < slots.prompt_tail[unit_slot, None]))
+        key_valid = (key_page_index <= sees[:, None]) & (
+            (key_page_index != prompt_pages[:, None] - 1) | (key_offset < prompt_tail[:, None]))
 
         logits_index = unit_start[:-1][unit_is_block][:, None] + offsets  # [R, L]
         if self.shift_logits:  # position i reads the output at i - 1; the first, the token before
             logits_index = logits_index - 1
             logits_index[~refreshed, 0] = 0  # not fed this step: replaced by the kept logit
-        layout = BatchLayout(unit_start=unit_start, slot_mapping=slot_mapping,
-                             key_slots=key_slots, key_valid=key_valid)
+        layout = BatchLayout(unit_start=unit_start, cache_positions=cache_positions,
+                             key_cache_positions=key_cache_positions, key_valid=key_valid)
         return input_ids, positions, layout, logits_index
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, float]:
         """Logits ``[R, L, V]`` of the batch's block units, and the forward's seconds."""
         refreshed = self._refreshed(batch)
-        if not batch.block_rows and self.refreshes and (self.bidirectional or self.refresh_every_step):
+        if not batch.unit_is_block.any() and self.refreshes and (self.bidirectional or self.refresh_every_step):
             # prompt chunks only, which the first block step recomputes: nothing to run
             return torch.empty(0, self.block_length, self.model.spec.vocab_size), 0.0
         input_ids, positions, layout, logits_index = self.build_inputs(batch, refreshed)
@@ -151,11 +151,11 @@ class ModelRunner:
         return logits.float().cpu(), elapsed
 
     def _keep_first_logits(self, logits: torch.Tensor, batch: ScheduledBatch, refreshed: torch.Tensor) -> torch.Tensor:
-        """Store refreshed rows' first-position logits per slot; reuse them for the others."""
+        """Store refreshed rows' first-position logits per row; reuse them for the others."""
         if self._first_logits is None:
-            self._first_logits = logits.new_zeros(self.slots.num_slots, logits.shape[-1])
-        slots = torch.tensor([r.slot for r in batch.block_rows], device=logits.device)
+            self._first_logits = logits.new_zeros(self.rows.num_rows, logits.shape[-1])
+        block_rows = batch.block_rows.to(logits.device)
         refreshed = refreshed.to(logits.device)
-        self._first_logits[slots[refreshed]] = logits[refreshed, 0]
-        logits[~refreshed, 0] = self._first_logits[slots[~refreshed]]
+        self._first_logits[block_rows[refreshed]] = logits[refreshed, 0]
+        logits[~refreshed, 0] = self._first_logits[block_rows[~refreshed]]
         return logits

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -31,23 +30,15 @@ class EngineTotals:
     steps: int = 0
     forward_s: float = 0.0
     step_s: float = 0.0
-    tokens: int = 0
     output_tokens: int = 0
-    blocks_committed: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
     requests_failed: int = 0
-    steps_per_block: Counter = field(default_factory=Counter)
-    recent: deque = field(default_factory=lambda: deque(maxlen=1024))
 
     def record(self, stats: StepStats) -> None:
         self.steps += 1
         self.forward_s += stats.forward_s
         self.step_s += stats.step_s
-        self.tokens += stats.num_tokens
-        self.blocks_committed += stats.blocks_committed
-        self.steps_per_block.update(stats.block_steps)
-        self.recent.append(stats)
 
     @property
     def compute_ratio(self) -> float:

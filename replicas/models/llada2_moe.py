@@ -88,8 +88,8 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(flat)
         # one matmul per expert that has tokens this step (no fused MoE kernel yet)
         for expert in experts.unique().tolist():
-            token, slot = (experts == expert).nonzero(as_tuple=True)
-            contribution = self.experts[expert](flat[token]) * weights[token, slot, None].to(flat.dtype)
+            token, choice = (experts == expert).nonzero(as_tuple=True)  # choice: which of the top-k
+            contribution = self.experts[expert](flat[token]) * weights[token, choice, None].to(flat.dtype)
             out.index_add_(0, token, contribution)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(flat)

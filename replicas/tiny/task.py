@@ -8,6 +8,8 @@ answer block j sits exactly 112 positions after prompt slot j.
 
 Every puzzle has a unique solution; blank counts run from 0 (a pure copy) to 12 (four
 givens, the fewest a 4x4 Sudoku with a unique solution can have).
+
+numpy only: the load generator draws its prompts here; training turns them into tensors.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
-import torch
+import numpy as np
 
 CELLS = 16
 SLOTS = 7
@@ -24,13 +27,14 @@ MAX_PUZZLES = SLOTS - 1
 MAX_BLANKS = 12
 BLANK = "."
 EMPTY = "-"
-HELDOUT_SEED = 20240917
+MAX_TOKENS = SLOTS * CELLS  # room for six grids and the EOS block; the model decides where to stop
+HELDOUT_FILE = Path(__file__).with_name("heldout.txt")
 HELDOUT_REQUESTS = 400
 
 
 @lru_cache(maxsize=1)
-def all_grids() -> torch.Tensor:
-    """Every solved 4x4 Sudoku grid as ``LongTensor[288, 16]`` of digits 1-4, row-major."""
+def all_grids() -> np.ndarray:
+    """Every solved 4x4 Sudoku grid as ``int64[288, 16]`` of digits 1-4, row-major."""
     rows = list(itertools.permutations(range(1, 5)))
 
     def fits(grid: tuple, row: tuple) -> bool:
@@ -44,60 +48,66 @@ def all_grids() -> torch.Tensor:
     grids = [()]
     for _ in range(4):
         grids = [grid + (row,) for grid in grids for row in rows if fits(grid, row)]
-    return torch.tensor([[d for row in grid for d in row] for grid in grids])
+    table = np.array([[d for row in grid for d in row] for grid in grids], dtype=np.int64)
+    table.flags.writeable = False
+    return table
 
 
-def solutions_of(givens: torch.Tensor) -> torch.Tensor:
-    """Match matrix ``BoolTensor[N, 288]`` for givens ``LongTensor[N, 16]`` (0 = blank)."""
+def solutions_of(givens: np.ndarray) -> np.ndarray:
+    """Match matrix ``bool[N, 288]`` for givens ``int[N, 16]`` (0 = blank)."""
     grids = all_grids()
     fits = (grids[None] == givens[:, None]) | (givens[:, None] == 0)
     return fits.all(-1)
 
 
-def puzzle_keys(givens: torch.Tensor) -> torch.Tensor:
+def puzzle_keys(givens: np.ndarray) -> np.ndarray:
     """One int64 per puzzle (base-5 digits of its cells), for exclusion sets."""
-    powers = 5 ** torch.arange(CELLS, dtype=torch.long)
-    return (givens * powers).sum(-1)
+    powers = 5 ** np.arange(CELLS, dtype=np.int64)
+    return (np.asarray(givens, dtype=np.int64) * powers).sum(-1)
 
 
 def sample_puzzles(
     n: int,
-    generator: torch.Generator,
-    blank_weights: torch.Tensor | None = None,
-    exclude: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` random puzzles with a unique solution: ``(givens, solutions)``, each ``[n, 16]``.
+    rng: np.random.Generator,
+    blank_weights: np.ndarray | None = None,
+    exclude: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` random puzzles with a unique solution: ``(givens, solutions)``, each ``int64[n, 16]``.
 
     Blank counts are drawn from ``blank_weights`` (13 weights for 0..12 blanks, uniform
     when None); a puzzle with several solutions, or whose key is in ``exclude``, is
     redrawn with the same blank count.
     """
-    weights = torch.ones(MAX_BLANKS + 1) if blank_weights is None else blank_weights.float()
+    weights = np.ones(MAX_BLANKS + 1) if blank_weights is None else np.asarray(blank_weights, dtype=float)
     grids = all_grids()
-    givens = torch.zeros(n, CELLS, dtype=torch.long)
-    solutions = torch.zeros(n, CELLS, dtype=torch.long)
-    blank_counts = torch.multinomial(weights, n, replacement=True, generator=generator)
-    todo = torch.arange(n)
-    while todo.numel():
-        m = todo.numel()
-        grid = grids[torch.randint(len(grids), (m,), generator=generator)]
-        blanks = blank_counts[todo]
-        order = torch.rand(m, CELLS, generator=generator).argsort(-1)
-        blank = torch.zeros(m, CELLS, dtype=torch.bool)
-        blank.scatter_(1, order, torch.arange(CELLS)[None] < blanks[:, None])
-        candidate = grid.masked_fill(blank, 0)
+    givens = np.zeros((n, CELLS), dtype=np.int64)
+    solutions = np.zeros((n, CELLS), dtype=np.int64)
+    blank_counts = rng.choice(MAX_BLANKS + 1, size=n, p=weights / weights.sum())
+    todo = np.arange(n)
+    while todo.size:
+        m = todo.size
+        grid = grids[rng.integers(len(grids), size=m)]
+        order = rng.random((m, CELLS)).argsort(-1)
+        blank = np.zeros((m, CELLS), dtype=bool)
+        np.put_along_axis(blank, order, np.arange(CELLS)[None] < blank_counts[todo][:, None], axis=1)
+        candidate = np.where(blank, 0, grid)
         ok = solutions_of(candidate).sum(-1) == 1
         if exclude is not None:
-            ok &= ~torch.isin(puzzle_keys(candidate), exclude)
+            ok &= ~np.isin(puzzle_keys(candidate), exclude)
         givens[todo[ok]] = candidate[ok]
         solutions[todo[ok]] = grid[ok]
         todo = todo[~ok]
     return givens, solutions
 
 
-def cells_text(cells: torch.Tensor) -> str:
+def cells_text(cells: np.ndarray) -> str:
     """16 digits (0 = blank) -> '1.3.' style text."""
     return "".join(BLANK if d == 0 else str(d) for d in cells.tolist())
+
+
+def text_cells(text: str) -> list[int]:
+    """'1.3.' style text -> 16 digits (0 = blank)."""
+    return [0 if c == BLANK else int(c) for c in text]
 
 
 @dataclass(frozen=True)
@@ -129,9 +139,9 @@ def format_answer(solutions: tuple[str, ...] | list[str]) -> str:
 
 def make_requests(n: int, seed: int) -> list[Request]:
     """``n`` requests with k uniform in 1..6 and blank counts uniform in 0..12 (seeded)."""
-    generator = torch.Generator().manual_seed(seed)
-    counts = torch.randint(1, MAX_PUZZLES + 1, (n,), generator=generator).tolist()
-    givens, solutions = sample_puzzles(sum(counts), generator)
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(1, MAX_PUZZLES + 1, size=n).tolist()
+    givens, solutions = sample_puzzles(sum(counts), rng)
     requests, start = [], 0
     for k in counts:
         requests.append(Request(
@@ -144,14 +154,20 @@ def make_requests(n: int, seed: int) -> list[Request]:
 
 @lru_cache(maxsize=1)
 def heldout_requests() -> tuple[Request, ...]:
-    """The fixed held-out evaluation set; training never sees any of its puzzles."""
-    return tuple(make_requests(HELDOUT_REQUESTS, HELDOUT_SEED))
+    """The fixed held-out evaluation set (``heldout.txt``, drawn once: one request per
+    line, its puzzles separated by spaces); training never sees any of its puzzles."""
+    requests = []
+    for line in HELDOUT_FILE.read_text().splitlines():
+        puzzles = tuple(line.split())
+        givens = np.array([text_cells(p) for p in puzzles])
+        solutions = all_grids()[solutions_of(givens).argmax(-1)]
+        requests.append(Request(puzzles, tuple(cells_text(s) for s in solutions)))
+    return tuple(requests)
 
 
-def heldout_keys() -> torch.Tensor:
+def heldout_keys() -> np.ndarray:
     """Keys of every held-out puzzle, to exclude from training."""
-    givens = [[0 if c == BLANK else int(c) for c in p] for r in heldout_requests() for p in r.puzzles]
-    return puzzle_keys(torch.tensor(givens)).unique()
+    return np.unique(puzzle_keys(np.array([text_cells(p) for r in heldout_requests() for p in r.puzzles])))
 
 
 def grade(request: Request, output_text: str) -> list[bool]:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -90,16 +91,17 @@ def training_positions() -> torch.Tensor:
 
 
 def sample_batch(
-    tokens: TaskTokens, cfg: TrainConfig, generator: torch.Generator, exclude: torch.Tensor
+    tokens: TaskTokens, cfg: TrainConfig, generator: torch.Generator, puzzle_rng: np.random.Generator,
+    exclude: np.ndarray,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids [B, S], targets [B, 7*L])``: the clean answer at every noisy position."""
+    """``(input_ids [B, S], targets [B, 7*L])``: the clean answer at every noisy position.
+    Puzzles come from ``puzzle_rng``, everything else from ``generator``."""
     b = cfg.batch_size
     k_weights = torch.tensor(cfg.k_weights, dtype=torch.float)
     k = 1 + torch.multinomial(k_weights, b, replacement=True, generator=generator)
     filled = torch.arange(task.SLOTS)[None] < k[:, None]  # [B, 7]
-    givens, solutions = task.sample_puzzles(
-        int(filled.sum()), generator, torch.tensor(cfg.blank_weights), exclude
-    )
+    givens, solutions = (torch.from_numpy(cells) for cells in task.sample_puzzles(
+        int(filled.sum()), puzzle_rng, np.array(cfg.blank_weights), exclude))
     prompt = torch.full((b, task.SLOTS, L), tokens.empty)
     answer = torch.full((b, task.SLOTS, L), tokens.eos)
     prompt[filled] = tokens.digit[givens]
@@ -237,6 +239,7 @@ def train_tiny(
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
+    puzzle_rng = np.random.default_rng(seed)
     output_dir = Path(output_dir)
     tokenizer = save_tokenizer(output_dir)
     vocab = tokenizer.get_vocab()
@@ -261,7 +264,7 @@ def train_tiny(
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * progress))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        input_ids, targets = sample_batch(tokens, cfg, generator, exclude)
+        input_ids, targets = sample_batch(tokens, cfg, generator, puzzle_rng, exclude)
         net.train()
         logits = net(input_ids, positions.expand(len(input_ids), -1), DenseAttentionContext(mask))
         loss = F.cross_entropy(logits[:, -targets.shape[1]:].flatten(0, 1), targets.flatten())

@@ -42,9 +42,10 @@ def test_idle_cluster_admits_even_an_oversized_request():
 
 def test_cost_uses_quantile_of_measured_steps():
     adm = controller(cost_quantile=0.9)
-    assert adm.cost(blocks=4, worst_case_steps_per_block=17) == 68  # nothing measured yet
+    assert adm.cost(max_tokens=64, block_length=16, worst_case_steps_per_block=17) == 68  # nothing measured yet
     adm.update_view({"a": {"steps_per_block": {"2": 80, "5": 15, "9": 5}, "age_s": 0}})
-    assert adm.cost(blocks=4, worst_case_steps_per_block=17) == 20  # p90 = 5 steps
+    assert adm.cost(max_tokens=64, block_length=16, worst_case_steps_per_block=17) == 20  # p90 = 5 steps
+    assert adm.cost(max_tokens=49, block_length=16, worst_case_steps_per_block=3) == 12  # 4 blocks, capped at 3
 
 
 def test_disabled_admission_admits_everything():

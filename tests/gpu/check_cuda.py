@@ -25,7 +25,7 @@ PAGE = 32
 
 def random_layout(units_per_row=(3, 1, 5, 2), pages=64, generator=None):
     """Rows whose last unit is a whole block and earlier units full or partial pages."""
-    unit_start, slot_mapping, key_slots, key_valid = [0], [], [], []
+    unit_start, cache_positions, key_cache_positions, key_valid = [0], [], [], []
     free = torch.randperm(pages - 1, generator=generator) + 1
     width = max(units_per_row) * PAGE
     for row, units in enumerate(units_per_row):
@@ -34,11 +34,11 @@ def random_layout(units_per_row=(3, 1, 5, 2), pages=64, generator=None):
         for u in range(units):
             count = PAGE if u == units - 1 else int(torch.randint(1, PAGE + 1, (1,), generator=generator))
             unit_start.append(unit_start[-1] + count)
-            slot_mapping += [row_pages[u] * PAGE + o for o in range(count)]
-            slots = [p * PAGE + o for p in row_pages for o in range(PAGE)]
-            key_slots.append(slots + [0] * (width - len(slots)))
+            cache_positions += [row_pages[u] * PAGE + o for o in range(count)]
+            row_positions = [p * PAGE + o for p in row_pages for o in range(PAGE)]
+            key_cache_positions.append(row_positions + [0] * (width - len(row_positions)))
             key_valid.append([i < (u + 1) * PAGE for i in range(width)])
-    return BatchLayout(torch.tensor(unit_start), torch.tensor(slot_mapping), torch.tensor(key_slots),
+    return BatchLayout(torch.tensor(unit_start), torch.tensor(cache_positions), torch.tensor(key_cache_positions),
                        torch.tensor(key_valid))
 
 
@@ -80,7 +80,7 @@ def time_forwards(backend: str, batch_sizes=(1, 8, 32), prompt_len=256, steps=20
     for batch in batch_sizes:
         engine = Engine(net, IdsOnly(), EngineConfig(
             device="cuda", max_batch=batch, attention_backend=backend, max_model_len=1024,
-            default_algorithm="fixed_steps", default_algorithm_params={"steps": 4}))
+            algorithm="fixed_steps", algorithm_params={"steps": 4}))
         prompts = [[100 + (i * 31 + r) % 5000 for i in range(prompt_len)] for r in range(batch)]
         params = SamplingParams(max_tokens=4 * steps, ignore_eos=True)
         forward_s = []

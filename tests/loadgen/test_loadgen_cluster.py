@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from loadgen.arrivals import poisson_times
-from loadgen.calibration import at_rate, load_calibration
+from loadgen.capacity.calibration import at_rate, load_calibration
 
 RATE, DURATION_S, SEED = 8.0, 6.0, 3
 

@@ -15,7 +15,7 @@ from replicas.request import FinishReason, RequestError, SamplingParams
 def assert_pool_full(engine):
     assert engine.pool.num_free == engine.pool.capacity
     assert engine.pool.num_available == engine.pool.capacity
-    assert engine.slots.num_free == engine.config.max_batch
+    assert engine.rows.num_free == engine.config.max_batch
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
@@ -33,16 +33,16 @@ def test_eos_truncates_and_stops(make_engine, tokenizer):
     # an algorithm-independent way to force EOS: a prompt the random model maps to EOS is
     # not available, so check the output processor directly on a committed block
     request = engine.make_request("abc", SamplingParams(max_tokens=64))
-    out = engine.outputs.commit_block(request, [10, 11, eos, 12] + [eos] * 12)
-    assert out.new_token_ids == [10, 11] and out.finished and out.finish_reason is FinishReason.STOP
+    new_ids, _ = engine.outputs.commit_block(request, [10, 11, eos, 12] + [eos] * 12)
+    assert new_ids == [10, 11] and request.finish_reason is FinishReason.STOP
 
 
 def test_stop_string_cuts_text(make_engine, tokenizer):
     engine = make_engine()
     request = engine.make_request("abc", SamplingParams(max_tokens=64, stop=("cd",)))
     ids = tokenizer("abcdef", add_special_tokens=False)["input_ids"]
-    out = engine.outputs.commit_block(request, ids + [ids[0]] * (16 - len(ids)))
-    assert out.new_text == "ab" and out.finish_reason is FinishReason.STOP
+    _, new_text = engine.outputs.commit_block(request, ids + [ids[0]] * (16 - len(ids)))
+    assert new_text == "ab" and request.finish_reason is FinishReason.STOP
 
 
 @pytest.mark.parametrize("prompt,params,message", [

@@ -3,13 +3,14 @@
 import pytest
 
 from algorithms import available_algorithms
-from replicas.bench import bench_engine
 from replicas.engine import Engine, EngineConfig
-from replicas.evaluation import TINY_MAX_TOKENS, evaluate_tiny
 from replicas.models import load_model, load_tokenizer
 from replicas.request import SamplingParams
 from replicas.batching import SchedulerMode
 from replicas.tiny import task
+from replicas.tiny.bench import bench_engine
+from replicas.tiny.evaluation import evaluate_tiny
+from replicas.tiny.task import MAX_TOKENS as TINY_MAX_TOKENS
 
 ALGORITHM_CASES = {
     "low_confidence": {},

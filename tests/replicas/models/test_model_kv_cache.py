@@ -19,9 +19,9 @@ def record_steps(engine, prompt, max_tokens):
     size, seen, forward = engine.block_length, [], engine.runner.forward
 
     def spy(batch):
-        request = batch.block_rows[0] if batch.block_rows else None
+        request = engine.scheduler.stepped[0] if engine.scheduler.stepped else None
         if request is not None:
-            block = engine.slots.blocks(torch.tensor([request.slot]), torch.tensor([request.active_segment]))[0]
+            block = engine.rows.blocks(torch.tensor([request.row]), torch.tensor([request.active_page_index]))[0]
             committed = [request.output_ids[j * size:(j + 1) * size] for j in range(request.block_index)]
             step = request.block_steps
         logits, seconds = forward(batch)
@@ -42,10 +42,11 @@ def dense_logits(engine, prompt, committed, block, block_at_start=None):
     prefix = list(prompt) + [t for blk in committed for t in blk]
     n = len(prefix)
     tokens, positions = prefix + block, list(range(n + size))
-    segment = [p // size for p in range(len(prompt))] + [
+    page_indices = [p // size for p in range(len(prompt))] + [
         -(-len(prompt) // size) + j for j in range(len(committed) + 1) for _ in range(size)]
-    seg = torch.tensor(segment)
-    mask = torch.ones(n + size, n + size, dtype=torch.bool) if spec.bidirectional else seg[None, :] <= seg[:, None]
+    page_index = torch.tensor(page_indices)
+    mask = (torch.ones(n + size, n + size, dtype=torch.bool) if spec.bidirectional
+            else page_index[None, :] <= page_index[:, None])
     if block_at_start is not None:
         tokens, positions = prefix + block_at_start + block, positions + list(range(n, n + size))
         mask = torch.zeros(n + 2 * size, n + 2 * size, dtype=torch.bool)

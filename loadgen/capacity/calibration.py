@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from replicas.cost_model import step_calibration
+from loadgen.capacity.step_cost import step_calibration
 
 # Measured on the embedded tiny model (low_confidence, fp32, one torch thread on a shared
 # 2-core CPU; closed fdfo batches at max_batch 1..24, 2745 blocks, 400 requests). A

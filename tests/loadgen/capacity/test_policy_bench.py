@@ -2,7 +2,8 @@
 
 import pytest
 
-from loadgen.policy_bench import POLICIES, bench_policies
+from loadgen.capacity.policy_bench import bench_policies
+from replicas.batching import MODES as POLICIES
 
 
 def test_policy_report_is_complete_and_consistent():

@@ -1,50 +1,47 @@
 """Discrete-event simulator of a dllm-serve cluster, for capacity planning.
 
 N identical replicas sit behind the cluster's step-aware admission and drain-time router.
-Each replica runs one scheduler policy with the engine's exact semantics (see
-``replicas/scheduler.py``); a step of b rows costs ``c0 + c1 * b`` seconds, plus
-``prefill_s`` for each request whose prompt it computes (a request's first step), and
-every block of a request takes a number of steps drawn from the calibration:
+Each replica runs one scheduler mode and decides with the engine's own batching rules
+(``replicas.batching``: round ends, admission, fixed_fill's fill wait, fdfo's hold), so it
+makes the engine's decisions by construction. A step of b rows costs ``c0 + c1 * b``
+seconds, plus ``prefill_s`` for each request whose prompt it computes (a request's first
+step), and every block of a request takes a number of steps drawn from the calibration.
+fdfo holds under-filled steps for arrivals by ``replicas.fill_timeout.fdfo_hold`` unless
+``fdfo_fill_hold=False`` (as the engine); fixed_fill's timeout τ defaults to the analytic
+one (``replicas.fill_timeout.optimal_fill_timeout``).
 
-* ``fdfo``: after every step done rows move on or leave and waiting requests fill free
-  rows; optionally a step may be held to let arrivals join (``fdfo_fill_hold``, the
-  rule of ``replicas.fill_timeout.fdfo_hold``).
-* ``sync``: the batch runs until every row's block is done (done rows still computed),
-  then rows move on, finished ones leave and new ones join.
-* ``static``: block rounds like ``sync``; new requests join only when the whole batch
-  has finished (finished rows still computed until then).
-* ``fixed_fill``: ``static``, but a batch starts only when ``max_batch`` requests wait
-  or the oldest has waited the fill timeout τ (default: the analytic τ).
-
-Modelled as in the cluster: a request is charged ``max blocks x steps-per-block
-quantile`` row-steps at admission, released as its rows advance and in full when it
-ends; admission refuses when the cluster's outstanding charge would pass
-``max_step_debt`` per replica (an idle cluster always admits); routing sends to the
+Modelled as in the cluster: a request is charged ``replicas.limits.request_cost`` (most
+blocks x a steps-per-block quantile) row-steps at admission, released as its rows advance
+and in full when it ends; admission refuses when the cluster's outstanding charge would
+pass ``max_step_debt`` per replica (an idle cluster always admits); routing sends to the
 replica with the least step debt (all replicas drain at the same rate, so least debt is
 least predicted drain time), ties in turn. Each step's cost is multiplied by a draw from
 the calibration's ``step_cost_spread`` (in the order of its ``step_cost_path`` when it
-has one), and each request's latency and TTFB get a draw
-from its ``request_overhead_s`` (the request path outside the engine); with load points,
-these are taken at the workload's mean arrival rate per replica. Simplifications: prefill
-is fused with the first block's step, a replica's debt drops when a step or round starts,
-arrival knowledge is exact (fdfo hold and analytic τ use the true per-replica rate).
+has one), and each request's latency and TTFB get a draw from its
+``request_overhead_s`` (the request path outside the engine); with load points, these
+are taken at the workload's mean arrival rate per replica. ``ReplayedSteps`` replays a
+measured run's step costs instead. Simplifications: prefill is fused with the first
+block's step, a replica's debt drops when a step or round starts, arrival knowledge is
+exact (fdfo hold and analytic τ use the true per-replica rate).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Protocol
 
 import numpy as np
 
-from loadgen.calibration import at_rate, validate_calibration
+from loadgen.capacity.calibration import at_rate, validate_calibration
+from replicas.batching import (MODES, Phase, RowAction, SchedulerMode, admission_open, end_of_round,
+                               may_hold_for_arrivals, waits_to_fill)
 from replicas.fill_timeout import batch_capacity, fdfo_hold, optimal_fill_timeout
-
-POLICIES = ("static", "sync", "fixed_fill", "fdfo")
-_DENOISE, _BLOCK_DONE, _FINISHED = 0, 1, 2
+from replicas.limits import request_cost, steps_quantile
 
 
 # ---- workloads -------------------------------------------------------------------------
@@ -93,6 +90,74 @@ def poisson_workload(calibration: Mapping, rate: float, requests: int, seed: int
     return trace_workload(calibration, np.cumsum(gaps) / rate, seed)
 
 
+# ---- step costs ------------------------------------------------------------------------
+class StepCosts(Protocol):
+    def step_ends(self, now: float, rows: int, starting: int, count: int,
+                  until: float = math.inf) -> list[float]:
+        """When each of ``count`` consecutive steps of ``rows`` rows ends, the first of them
+        computing ``starting`` requests' prompts; fewer when one ends at or after ``until``
+        (that one is the last)."""
+
+
+def _cut(ends: list[float], until: float) -> list[float]:
+    return ends[:bisect.bisect_left(ends, until) + 1]
+
+
+class CalibratedSteps:
+    """Step costs of a calibration: ``c0 + c1 * rows``, ``prefill_s`` more per starting
+    request, times one of its equally likely ``step_cost_spread`` multipliers, drawn
+    independently, or, given a ``step_cost_path`` (measured levels in time order), the
+    value at the path's next level: the path is played from a random start and round
+    again, so that slow steps come in runs as long as the measured ones."""
+
+    def __init__(self, calibration: Mapping, rng: np.random.Generator):
+        self.c0, self.c1, self.prefill_s = calibration["c0"], calibration["c1"], calibration.get("prefill_s", 0.0)
+        self.multipliers = np.sort(np.asarray(calibration.get("step_cost_spread", [1.0]), dtype=float))
+        n = len(self.multipliers)
+        path = np.asarray(calibration.get("step_cost_path", []), dtype=float)
+        self.path = np.minimum((path * n).astype(np.int64), n - 1)
+        self.rng = rng
+        self.position = int(rng.integers(len(self.path))) if len(self.path) else 0
+
+    def step_ends(self, now: float, rows: int, starting: int, count: int, until: float = math.inf) -> list[float]:
+        step, extra = self.c0 + self.c1 * rows, self.prefill_s * starting
+        if len(self.multipliers) == 1:
+            m = float(self.multipliers[0])
+            return _cut([now + extra * m + k * step * m for k in range(1, count + 1)], until)
+        if len(self.path):
+            drawn = self.multipliers[self.path[(self.position + np.arange(count)) % len(self.path)]]
+        else:
+            drawn = self.multipliers[self.rng.integers(len(self.multipliers), size=count)]
+        costs = step * drawn
+        costs[0] += extra * drawn[0]
+        ends = _cut((now + np.cumsum(costs)).tolist(), until)
+        if len(self.path):
+            self.position = (self.position + len(ends)) % len(self.path)
+        return ends
+
+
+class ReplayedSteps:
+    """The step costs of a measured run, replayed: the k-th simulated step costs
+    ``seconds[k]`` whatever its rows. ``taken`` records each step's (rows, starting
+    requests), to set beside the measured run's."""
+
+    def __init__(self, seconds: Sequence[float]):
+        self.seconds = list(seconds)
+        self.taken: list[tuple[int, int]] = []
+
+    def step_ends(self, now: float, rows: int, starting: int, count: int, until: float = math.inf) -> list[float]:
+        ends = []
+        for k in range(count):
+            if len(self.taken) == len(self.seconds):
+                raise ValueError(f"the replay ran out of measured steps ({len(self.seconds)})")
+            now += self.seconds[len(self.taken)]
+            self.taken.append((rows, starting if k == 0 else 0))
+            ends.append(now)
+            if now >= until:
+                break
+        return ends
+
+
 # ---- one replica -------------------------------------------------------------------------
 class _Ledger:
     """What the run records, shared by the replicas: per-request times and charges."""
@@ -111,20 +176,18 @@ class _Ledger:
 
 
 class _Replica:
-    """One engine: a FIFO queue and rows ``[request, block, steps left, state]``."""
+    """One engine: a FIFO queue and rows ``[request, block, steps left, phase]``."""
 
-    def __init__(self, ledger: _Ledger, policy: str, max_batch: int, c0: float, c1: float,
-                 fill_timeout: float, hold_rate: float | None, spread: "_Spread", prefill_s: float):
+    def __init__(self, ledger: _Ledger, mode: SchedulerMode, max_batch: int, fill_timeout: float,
+                 hold: Callable[[int], float], steps: StepCosts):
         self.ledger = ledger
-        self.prefill_s = prefill_s
-        self.spread = spread
-        self.policy = policy
+        self.mode = mode
         self.max_batch = max_batch
-        self.c0, self.c1 = c0, c1
         self.fill_timeout = fill_timeout
-        self.hold_rate = hold_rate
+        self.hold = hold  # seconds an under-filled fdfo step may wait for arrivals, given its rows
+        self.steps = steps
         self.queue: deque[int] = deque()
-        self.rows: list[list[int]] = []
+        self.rows: list[list] = []
         self.free_at = 0.0  # end of the step or round in progress
         self.hold_from: float | None = None  # fdfo: start of the current hold
         self.debt = 0.0
@@ -137,71 +200,59 @@ class _Replica:
 
     def decide(self, now: float, next_arrival: float) -> float:
         """Act at ``now`` (the replica is not in a step); returns when to act next."""
-        round_over = self._end_round()
-        if self.queue and self._admission_open(now, round_over):
+        actions = end_of_round(self.mode, [row[3] for row in self.rows])
+        if actions is not None:
+            self._end_round(actions)
+        if self.queue and admission_open(self.mode, len(self.rows), actions is not None):
+            if waits_to_fill(self.mode, len(self.rows), len(self.queue), self.max_batch):
+                deadline = self.ledger.arrival[self.queue[0]] + self.fill_timeout
+                if now < deadline:
+                    return deadline
             while self.queue and len(self.rows) < self.max_batch:
                 req = self.queue.popleft()
-                self.rows.append([req, 0, self.ledger.steps[req][0], _DENOISE])
+                self.rows.append([req, 0, self.ledger.steps[req][0], Phase.DENOISE])
         if not self.rows:
-            if self.queue and self.policy == "fixed_fill":
-                return self.ledger.arrival[self.queue[0]] + self.fill_timeout
             return math.inf
-        if self.hold_rate is not None:
+        hold = 0.0
+        if may_hold_for_arrivals(self.mode, len(self.queue), len(self.rows), self.max_batch):
+            hold = self.hold(len(self.rows))
             if self.hold_from is None:
                 self.hold_from = now
-            hold = fdfo_hold(self.hold_rate, len(self.rows), self.max_batch, self.c0, self.c1)
             if now < self.hold_from + hold:
                 return self.hold_from + hold
-            self.hold_from = None
-        return self._run(now, next_arrival)
+        self.hold_from = None
+        return self._run(now, next_arrival, one_step=hold > 0)
 
-    def _end_round(self) -> bool:
-        """Advance done rows and release finished ones where the policy allows."""
-        rows = self.rows
-        if self.policy != "fdfo" and any(r[3] == _DENOISE for r in rows):
-            return False
-        keep_finished = self.policy in ("static", "fixed_fill")
+    def _end_round(self, actions: list[RowAction]) -> None:
         kept = []
-        for row in rows:
-            if row[3] == _BLOCK_DONE:
+        for row, action in zip(self.rows, actions):
+            if action is RowAction.RELEASE:
+                continue
+            if action is RowAction.ADVANCE:
                 row[1] += 1
                 row[2] = self.ledger.steps[row[0]][row[1]]
-                row[3] = _DENOISE
-            elif row[3] == _FINISHED and not keep_finished:
-                continue
+                row[3] = Phase.DENOISE
             kept.append(row)
-        if keep_finished and all(r[3] == _FINISHED for r in kept):
-            kept = []
         self.rows = kept
-        return True
 
-    def _admission_open(self, now: float, round_over: bool) -> bool:
-        if self.policy == "fdfo":
-            return True
-        if self.policy == "sync":
-            return round_over
-        if self.rows:
-            return False
-        if self.policy == "static" or len(self.queue) >= self.max_batch:
-            return True
-        return now >= self.ledger.arrival[self.queue[0]] + self.fill_timeout
-
-    def _run(self, now: float, next_arrival: float) -> float:
-        """Run the next steps with the rows fixed: one step for fdfo (as many as nothing can
-        change: until the first block ends or the next arrival), a whole round otherwise."""
+    def _run(self, now: float, next_arrival: float, one_step: bool) -> float:
+        """Run the next steps with the rows fixed: a whole round, or for fdfo as many steps
+        as nothing can change (until the first block ends, or an arrival could join), one
+        while holding for arrivals."""
         ledger, rows = self.ledger, self.rows
-        step = self.c0 + self.c1 * len(rows)
-        active = [r for r in rows if r[3] == _DENOISE]
-        if self.policy != "fdfo":
+        active = [r for r in rows if r[3] is Phase.DENOISE]
+        until = math.inf
+        if self.mode is not SchedulerMode.FDFO:
             count = max(r[2] for r in active)
-        elif len(rows) == self.max_batch or self.hold_rate is None:
-            count = min(r[2] for r in active)
-            if len(rows) < self.max_batch and next_arrival < now + count * step:
-                count = max(1, math.ceil((next_arrival - now) / step))
-        else:
+        elif one_step:
             count = 1
+        else:
+            count = min(r[2] for r in active)
+            if len(rows) < self.max_batch:
+                until = next_arrival
         starting = sum(1 for r in active if r[1] == 0 and r[2] == ledger.steps[r[0]][0])
-        ends = self.spread.step_ends(now, step, count, self.prefill_s * starting)
+        ends = self.steps.step_ends(now, len(rows), starting, count, until)
+        count = len(ends)
         charge, released = ledger.charge, 0.0
         for row in active:
             req, block, left = row[0], row[1], row[2]
@@ -214,49 +265,16 @@ class _Replica:
                 if block == ledger.blocks[req] - 1:
                     ledger.finish[req] = done_at
                     taken = charge[req]  # the rest of its charge
-                    row[3] = _FINISHED
+                    row[3] = Phase.FINISHED
                 else:
-                    row[3] = _BLOCK_DONE
+                    row[3] = Phase.BLOCK_DONE
             taken = min(charge[req], taken)
             charge[req] -= taken
             released += taken
         self.debt -= released
         ledger.outstanding -= released
-        self.free_at = ends[count - 1]
+        self.free_at = ends[-1]
         return self.free_at
-
-
-class _Spread:
-    """End times of consecutive steps whose costs scatter around the fit: each step's cost
-    is multiplied by one of the calibration's equally likely ``step_cost_spread`` values,
-    drawn independently, or, given a ``step_cost_path`` (measured levels in time order),
-    the value at the path's next level: the path is played from a random start and round
-    again, so that slow steps come in runs as long as the measured ones."""
-
-    def __init__(self, multipliers: list[float], path: list[float], rng: np.random.Generator):
-        self.multipliers = np.sort(np.asarray(multipliers, dtype=float))
-        n = len(self.multipliers)
-        self.path = np.minimum((np.asarray(path, dtype=float) * n).astype(np.int64), n - 1)
-        self.rng = rng
-        self.position = int(rng.integers(len(self.path))) if len(self.path) else 0
-
-    def _draw(self, count: int) -> np.ndarray:
-        if not len(self.path):
-            return self.multipliers[self.rng.integers(len(self.multipliers), size=count)]
-        picks = self.path[(self.position + np.arange(count)) % len(self.path)]
-        self.position = (self.position + count) % len(self.path)
-        return self.multipliers[picks]
-
-    def step_ends(self, now: float, step: float, count: int, first_extra: float = 0.0) -> list[float]:
-        """When each of ``count`` steps of ``step`` seconds ends; the first costs
-        ``first_extra`` more (the prompts computed in it)."""
-        if len(self.multipliers) == 1:
-            cost = step * float(self.multipliers[0])
-            return [now + first_extra * float(self.multipliers[0]) + k * cost for k in range(1, count + 1)]
-        drawn = self._draw(count)
-        costs = step * drawn
-        costs[0] += first_extra * drawn[0]
-        return (now + np.cumsum(costs)).tolist()
 
 
 # ---- the cluster ---------------------------------------------------------------------------
@@ -274,44 +292,47 @@ class SimResult:
 
 def admission_cost(calibration: Mapping, quantile: float = 1.0) -> float:
     """Row-steps charged per request: most blocks x the quantile of steps per block."""
-    if not 0 < quantile <= 1:
-        raise ValueError(f"the cost quantile must be in (0, 1], got {quantile}")
     cal = validate_calibration(calibration)
-    levels = np.fromiter(cal["steps_per_block"], dtype=float)
-    cdf = np.cumsum(np.fromiter(cal["steps_per_block"].values(), dtype=float))
-    steps = levels[min(np.searchsorted(cdf, quantile - 1e-12), len(levels) - 1)]
-    return max(cal["blocks_per_request"]) * float(steps)
+    most_blocks = max(cal["blocks_per_request"])
+    return request_cost(most_blocks, 1, steps_quantile(cal["steps_per_block"], quantile))  # blocks of one
 
 
 def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: int = 1,
-             fill_timeout: float | None = None, fdfo_fill_hold: bool = False,
-             max_step_debt: float | None = None, cost_quantile: float = 1.0) -> SimResult:
-    """Run ``workload`` through ``replicas`` replicas of ``policy``.
+             fill_timeout: float | None = None, fdfo_fill_hold: bool = True,
+             max_step_debt: float | None = None, cost_quantile: float = 1.0,
+             step_costs: StepCosts | None = None) -> SimResult:
+    """Run ``workload`` through ``replicas`` replicas of scheduler mode ``policy``.
 
     ``fill_timeout``: fixed_fill's τ in seconds (None: the analytic τ at the per-replica
-    rate). ``fdfo_fill_hold``: fdfo holds under-filled steps by the fill-hold rule.
-    ``max_step_debt``: row-steps the cluster may owe per replica (None: admit all).
+    rate). ``fdfo_fill_hold``: fdfo holds under-filled steps by the fill-hold rule (the
+    engine's default). ``max_step_debt``: row-steps the cluster may owe per replica (None:
+    admit all). ``step_costs``: where step costs come from (None: the calibration's, see
+    ``CalibratedSteps``; ``ReplayedSteps`` replays a measured run).
     """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    if policy not in MODES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(MODES)}")
     if replicas < 1:
         raise ValueError(f"need at least one replica, got {replicas}")
     if fill_timeout is not None and not fill_timeout >= 0:
         raise ValueError(f"the fill timeout must be >= 0 seconds, got {fill_timeout}")
     if max_step_debt is not None and not max_step_debt > 0:
         raise ValueError(f"the step-debt bound must be > 0 row-steps, got {max_step_debt}")
+    mode = SchedulerMode(policy)
     rate = workload.rate / replicas
     cal = at_rate(calibration, rate)
-    args = (cal["max_batch"], cal["c0"], cal["c1"], cal["steps_per_block"], cal["blocks_per_request"])
+    max_batch, c0, c1 = cal["max_batch"], cal["c0"], cal["c1"]
     tau = None
-    if policy == "fixed_fill":
-        tau = optimal_fill_timeout(rate, *args) if fill_timeout is None else fill_timeout
-    hold_rate = rate if policy == "fdfo" and fdfo_fill_hold else None
+    if mode is SchedulerMode.FIXED_FILL:
+        tau = optimal_fill_timeout(rate, max_batch, c0, c1, cal["steps_per_block"], cal["blocks_per_request"]) \
+            if fill_timeout is None else fill_timeout
+
+    def hold(rows: int) -> float:
+        return fdfo_hold(rate, rows, max_batch, c0, c1) if fdfo_fill_hold else 0.0
+
     ledger = _Ledger(workload, admission_cost(cal, cost_quantile))
     rng = np.random.default_rng([workload.seed, 2])
-    spread = _Spread(cal["step_cost_spread"], cal["step_cost_path"], rng)
-    fleet = [_Replica(ledger, policy, cal["max_batch"], cal["c0"], cal["c1"], tau or 0.0, hold_rate, spread,
-                      cal["prefill_s"]) for _ in range(replicas)]
+    steps = CalibratedSteps(cal, rng) if step_costs is None else step_costs
+    fleet = [_Replica(ledger, mode, max_batch, tau or 0.0, hold, steps) for _ in range(replicas)]
     limit = math.inf if max_step_debt is None else max_step_debt * replicas
     wake = [math.inf] * replicas  # when each replica acts next
     events: list[tuple[float, int]] = []

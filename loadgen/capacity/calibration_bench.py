@@ -1,19 +1,17 @@
 """`dllm-serve bench calibration`: does the simulator predict the live cluster?
 
-Calibrates on the live cluster (`loadgen.live_calibration`, by default at a light and a
-heavy load); for each compared rate, sends a Poisson load of the same number of requests
-(other arrivals and prompts than any calibration's) to the cluster and runs the
+Calibrates on the live cluster (`loadgen.capacity.live_calibration`, by default at a light
+and a heavy load); for each compared rate, sends a Poisson load of the same number of
+requests (other arrivals and prompts than any calibration's) to the cluster and runs the
 simulator on the same arrival times. By default it calibrates before the first rate and
 after each, and predicts each rate from the two calibrations on either side of it (half
-the draws each), because this project's shared 2-core machine drifts: step costs
-measured a few minutes apart differed by 25-40 %, which no model of the engine can
-predict; a drift that is steady over one rate's span cancels (``recalibrate=False``
-calibrates once, first, to see the drift). The prediction is for the load that was sent, so
-a burst that happens to come live is in the prediction too. A p99 of a few hundred live
-requests swings by 10-15 % from one arrival sequence to the next at high load; the
-same-arrivals comparison removes that part of the noise from the ratio. Each prediction
-pools ``SIM_DRAWS`` simulator runs (other draws of blocks, steps and step costs).
-Prints p50/p99 latency of both and their ratios side by side.
+the draws each), because step costs drift on a shared machine and no model of the engine
+can predict that; a drift that is steady over one rate's span cancels
+(``recalibrate=False`` calibrates once, first, to see the drift). The prediction is for
+the load that was sent, so a burst that happens to come live is in the prediction too,
+and the same-arrivals comparison removes the p99's swing from one arrival sequence to the
+next from the ratio. Each prediction pools ``SIM_DRAWS`` simulator runs (other draws of
+blocks, steps and step costs). Prints p50/p99 latency of both and their ratios side by side.
 """
 
 from __future__ import annotations
@@ -23,9 +21,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from loadgen import client, simulator
+from loadgen import client
 from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
-from loadgen.live_calibration import CalibrationPlan, calibrate, measure_load
+from loadgen.capacity import simulator
+from loadgen.capacity.live_calibration import CalibrationPlan, calibrate, measure_load
 from loadgen.stats import summarize
 
 TOLERANCE = 0.2  # the simulator "holds" when every predicted percentile is within 20 %

@@ -1,19 +1,24 @@
 """The cluster simulator: engine semantics, sanity, searches, calibration files, CLI."""
 
+import inspect
 import json
 
 import numpy as np
 import pytest
 
 from cluster.cli import main
-from loadgen.calibration import (DEFAULT_CALIBRATION, at_rate, fit_calibration, load_calibration,
-                                 save_calibration, validate_calibration)
-from replicas.cost_model import fit_step_cost, fit_step_cost_by_load, fit_step_cost_with_prefill, step_calibration
-from loadgen.simulator import (POLICIES, _Spread, Workload, find_max_rate, find_replicas, fixed_fill_capacity,
-                               poisson_workload, run, simulate, slo_attainment, summarize, throughput_bound,
-                               trace_workload)
+from loadgen.capacity.calibration import (DEFAULT_CALIBRATION, at_rate, fit_calibration, load_calibration,
+                                          save_calibration, validate_calibration)
+from loadgen.capacity.simulator import (CalibratedSteps, Workload, find_max_rate, find_replicas, fixed_fill_capacity,
+                                        poisson_workload, run, simulate, slo_attainment, summarize, throughput_bound,
+                                        trace_workload)
+from loadgen.capacity.step_cost import fit_step_cost_by_load, fit_step_cost_with_prefill, step_calibration
+from replicas.batching import MODES
+from replicas.cost_model import fit_step_cost
+from replicas.engine import EngineConfig
 
 CAL = validate_calibration(DEFAULT_CALIBRATION)
+NO_HOLD = {"fdfo_fill_hold": False}  # these tests were written for fdfo without the fill hold
 
 
 def _workload(arrival, blocks, steps) -> Workload:
@@ -36,10 +41,17 @@ HAND_LATENCY = {
 }
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", MODES)
 def test_policies_follow_the_engine_semantics(policy):
-    result = simulate(HAND, HAND_WORK, policy, fill_timeout=0.0)
+    result = simulate(HAND, HAND_WORK, policy, fill_timeout=0.0, **NO_HOLD)
     assert result.latency.tolist() == HAND_LATENCY[policy]
+
+
+def test_fdfo_holds_under_filled_steps_by_default_as_the_engine_does():
+    assert EngineConfig().fdfo_fill_hold and inspect.signature(simulate).parameters["fdfo_fill_hold"].default
+    # 4 arrivals/s: A alone may wait 1 + 1 - 1/4 = 1.75 s for company before each of its steps
+    # from t=6 on: [7.75, 9.75] ends its 1st block, [11.5, 13.5] its 2nd
+    assert simulate(HAND, HAND_WORK, "fdfo").latency.tolist() == [13.5, 3.0, 5.5]
 
 
 def test_fixed_fill_waits_for_a_full_batch_or_the_timeout():
@@ -53,19 +65,19 @@ def test_fixed_fill_waits_for_a_full_batch_or_the_timeout():
 def test_at_batch_one_every_policy_gives_the_same_latencies():
     single = {**CAL, "max_batch": 1}
     work = poisson_workload(single, 0.8 * fixed_fill_capacity(single), 3000, seed=3)
-    latencies = [simulate(single, work, policy).latency for policy in POLICIES]
+    latencies = [simulate(single, work, policy).latency for policy in MODES]
     for other in latencies[1:]:
         np.testing.assert_allclose(other, latencies[0], rtol=1e-12)
 
 
 def test_fdfo_beats_sync_beats_static_at_moderate_load():
     work = poisson_workload(CAL, 0.6 * fixed_fill_capacity(CAL), 5000, seed=4)
-    mean = {p: np.mean(simulate(CAL, work, p).latency) for p in ("fdfo", "sync", "static")}
+    mean = {p: np.mean(simulate(CAL, work, p, **NO_HOLD).latency) for p in ("fdfo", "sync", "static")}
     assert mean["fdfo"] < mean["sync"] < mean["static"]
 
 
 def test_counts_add_up_and_times_are_consistent():
-    result = run(CAL, "fdfo", 1.5 * throughput_bound(CAL), 3000, seed=5, max_step_debt=400.0)
+    result = run(CAL, "fdfo", 1.5 * throughput_bound(CAL), 3000, seed=5, max_step_debt=400.0, **NO_HOLD)
     summary = summarize(result, slo_latency=1.0)
     assert summary["completed"] + summary["refused"] == summary["offered"] == 3000
     done = ~result.refused
@@ -77,10 +89,10 @@ def test_counts_add_up_and_times_are_consistent():
 
 def test_refusals_only_beyond_capacity():
     over = poisson_workload(CAL, 3 * throughput_bound(CAL), 2000, seed=6)
-    assert simulate(CAL, over, "fdfo", max_step_debt=500.0).refused.sum() > 0
-    assert simulate(CAL, over, "fdfo").refused.sum() == 0  # no bound: everything is admitted
+    assert simulate(CAL, over, "fdfo", max_step_debt=500.0, **NO_HOLD).refused.sum() > 0
+    assert simulate(CAL, over, "fdfo", **NO_HOLD).refused.sum() == 0  # no bound: everything is admitted
     light = poisson_workload(CAL, 0.2 * throughput_bound(CAL), 2000, seed=6)
-    assert simulate(CAL, light, "fdfo", max_step_debt=500.0).refused.sum() == 0
+    assert simulate(CAL, light, "fdfo", max_step_debt=500.0, **NO_HOLD).refused.sum() == 0
 
 
 def test_routing_spreads_load_over_replicas():
@@ -103,11 +115,11 @@ def test_find_max_rate_grows_with_the_slo():
 
 def test_find_replicas_is_the_least_that_meets_the_slo():
     rate = 2.5 * throughput_bound(CAL)
-    needed = find_replicas(CAL, "fdfo", rate, 0.5, requests=2000, seed=11)
+    needed = find_replicas(CAL, "fdfo", rate, 0.5, requests=2000, seed=11, **NO_HOLD)
     assert needed and needed >= 3
     work = poisson_workload(CAL, rate, 2000, seed=11)
-    assert slo_attainment(simulate(CAL, work, "fdfo", replicas=needed), 0.5) >= 0.99
-    assert slo_attainment(simulate(CAL, work, "fdfo", replicas=needed - 1), 0.5) < 0.99
+    assert slo_attainment(simulate(CAL, work, "fdfo", replicas=needed, **NO_HOLD), 0.5) >= 0.99
+    assert slo_attainment(simulate(CAL, work, "fdfo", replicas=needed - 1, **NO_HOLD), 0.5) < 0.99
     assert find_replicas(CAL, "static", rate, 0.05, requests=500, seed=11, max_replicas=4) is None
 
 
@@ -153,26 +165,27 @@ def test_fit_measures_how_steps_scatter_around_the_fit():
 
 def test_request_overhead_prefill_and_step_spread_enter_the_simulation():
     work = poisson_workload(CAL, 0.5 * throughput_bound(CAL), 2000, seed=5)
-    plain = simulate(CAL, work, "fdfo")
-    shifted = simulate({**CAL, "request_overhead_s": 0.25}, work, "fdfo")
+    plain = simulate(CAL, work, "fdfo", **NO_HOLD)
+    shifted = simulate({**CAL, "request_overhead_s": 0.25}, work, "fdfo", **NO_HOLD)
     assert np.allclose(shifted.latency, plain.latency + 0.25) and np.allclose(shifted.ttfb, plain.ttfb + 0.25)
-    drawn = simulate({**CAL, "request_overhead_s": [0.0, 1.0]}, work, "fdfo")
+    drawn = simulate({**CAL, "request_overhead_s": [0.0, 1.0]}, work, "fdfo", **NO_HOLD)
     assert set(np.round(drawn.latency - plain.latency, 9)) == {0.0, 1.0}
-    jittery = simulate({**CAL, "step_cost_spread": [0.6] * 9 + [4.6]}, work, "fdfo")  # mean 1, rare slow steps
+    jittery = simulate({**CAL, "step_cost_spread": [0.6] * 9 + [4.6]}, work, "fdfo", **NO_HOLD)  # mean 1, rare slow steps
     assert np.percentile(jittery.latency, 99) > 1.2 * np.percentile(plain.latency, 99)
     assert np.array_equal(jittery.latency, simulate({**CAL, "step_cost_spread": [0.6] * 9 + [4.6]}, work,
-                                                    "fdfo").latency)  # seeded
+                                                    "fdfo", **NO_HOLD).latency)  # seeded
     alone = trace_workload(CAL, np.arange(200) * 10.0, seed=5)  # requests never overlap
-    with_prefill = simulate({**CAL, "prefill_s": 0.05}, alone, "fdfo").latency
-    assert np.allclose(with_prefill, simulate(CAL, alone, "fdfo").latency + 0.05)
-    busy = simulate({**CAL, "prefill_s": 0.05}, work, "fdfo").latency
+    with_prefill = simulate({**CAL, "prefill_s": 0.05}, alone, "fdfo", **NO_HOLD).latency
+    assert np.allclose(with_prefill, simulate(CAL, alone, "fdfo", **NO_HOLD).latency + 0.05)
+    busy = simulate({**CAL, "prefill_s": 0.05}, work, "fdfo", **NO_HOLD).latency
     assert np.percentile(busy, 50) > np.percentile(plain.latency, 50) + 0.05  # others wait for the prompts too
 
 
 def test_a_step_cost_path_is_played_in_order_and_keeps_the_spread():
     levels = np.array([0.1, 0.3, 0.6, 0.9] * 50)
-    spread = _Spread([3.0, 0.5, 1.5, 1.0], list(levels), np.random.default_rng(1))
-    ends = np.asarray(spread.step_ends(0.0, 1.0, 2000))
+    spread = CalibratedSteps({"c0": 0.0, "c1": 1.0, "step_cost_spread": [3.0, 0.5, 1.5, 1.0],
+                              "step_cost_path": list(levels)}, np.random.default_rng(1))
+    ends = np.asarray(spread.step_ends(0.0, 1, 0, 2000))  # steps of one row: 1 s before the multiplier
     drawn = np.diff(np.concatenate([[0.0], ends]))
     assert [np.mean(np.isclose(drawn, v)) for v in (0.5, 1.0, 1.5, 3.0)] == pytest.approx([0.25] * 4)
     first = int(np.flatnonzero(np.isclose(drawn, 0.5))[0])  # from a random start, in the path's order
@@ -182,11 +195,11 @@ def test_a_step_cost_path_is_played_in_order_and_keeps_the_spread():
 def test_slow_steps_in_runs_make_the_tail_that_independent_draws_miss():
     work = poisson_workload(CAL, 0.6 * throughput_bound(CAL), 3000, seed=8)
     scattered = {**CAL, "step_cost_spread": [0.5, 1.0, 1.5]}
-    independent = simulate(scattered, work, "fdfo").latency
+    independent = simulate(scattered, work, "fdfo", **NO_HOLD).latency
     runs = ([0.2] * 300 + [0.5] * 300 + [0.9] * 300) * 4  # the same levels, in runs of 300 steps
-    in_runs = simulate({**scattered, "step_cost_path": runs}, work, "fdfo").latency
+    in_runs = simulate({**scattered, "step_cost_path": runs}, work, "fdfo", **NO_HOLD).latency
     assert np.percentile(in_runs, 99) > 1.2 * np.percentile(independent, 99)
-    assert np.array_equal(in_runs, simulate({**scattered, "step_cost_path": runs}, work, "fdfo").latency)  # seeded
+    assert np.array_equal(in_runs, simulate({**scattered, "step_cost_path": runs}, work, "fdfo", **NO_HOLD).latency)  # seeded
 
 
 def test_step_calibration_keeps_the_multipliers_in_time_order():

@@ -14,12 +14,11 @@ import time
 from loadgen.arrivals import poisson_times, tiny_prompts
 from loadgen.stats import percentile
 from replicas.async_engine import AsyncEngine
-from replicas.bench import run_closed_batch
+from replicas.batching import MODES
 from replicas.engine import Engine, EngineConfig
-from replicas.evaluation import tiny_params
 from replicas.models import load_model, load_tokenizer
-
-POLICIES = ("static", "sync", "fixed_fill", "fdfo")
+from replicas.tiny.bench import run_closed_batch
+from replicas.tiny.evaluation import tiny_params
 
 
 async def _drive(engine: Engine, times: list[float], prompts: list[str]) -> list[dict]:
@@ -59,7 +58,7 @@ def bench_policies(model: str = "tiny", num_requests: int = 300, load: float = 0
     result: dict = {"requests": num_requests, "rate_per_s": round(rate, 2),
                     "fdfo_capacity_per_s": round(capacity, 2), "max_batch": max_batch, "policies": {}}
     latencies = {}
-    for policy in POLICIES:
+    for policy in MODES:
         config = EngineConfig(mode=policy, max_batch=max_batch, fill_timeout_s=fill_timeout_s)
         records = asyncio.run(_drive(Engine(net, tokenizer, config), times, prompts))
         latencies[policy] = [r["latency_s"] for r in records]

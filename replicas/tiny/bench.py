@@ -7,12 +7,12 @@ import time
 from collections.abc import Callable
 
 from replicas.engine import Engine, EngineConfig
-from replicas.evaluation import score, tiny_params
 from replicas.models import load_model, load_tokenizer
 from replicas.tiny import task
+from replicas.tiny.evaluation import score, tiny_params
 
 BENCH_SEED = 7
-MODES = ("fdfo", "sync", "static")
+BENCH_MODES = ("fdfo", "sync", "static")
 
 
 def run_closed_batch(engine: Engine, prompts: list[str], params) -> tuple[list, list, float]:
@@ -38,7 +38,7 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     warmup = Engine(net, tokenizer, EngineConfig(max_batch=max_batch))
     run_closed_batch(warmup, prompts[:max_batch], params)
     result: dict = {"requests": num_requests, "max_batch": max_batch, "accuracy": {}}
-    for mode in MODES:
+    for mode in BENCH_MODES:
         engine = Engine(net, tokenizer, EngineConfig(mode=mode, max_batch=max_batch))
         outputs, steps, wall = run_closed_batch(engine, prompts, params)
         scored = score(requests, outputs)

@@ -11,12 +11,9 @@ from replicas.models import load_model, load_tokenizer
 from replicas.request import RequestOutput, SamplingParams
 from replicas.tiny import task
 
-# room for six grids and the EOS block; the model itself decides where to stop
-TINY_MAX_TOKENS = task.SLOTS * task.CELLS
-
 
 def tiny_params(algorithm: str = "low_confidence", **algorithm_params) -> SamplingParams:
-    return SamplingParams(max_tokens=TINY_MAX_TOKENS, algorithm=algorithm, algorithm_params=algorithm_params)
+    return SamplingParams(max_tokens=task.MAX_TOKENS, algorithm=algorithm, algorithm_params=algorithm_params)
 
 
 def score(requests: Sequence[task.Request], outputs: Sequence[RequestOutput]) -> dict:

@@ -1,0 +1,75 @@
+"""What the ingress and a replica send each other, and the checks both apply (no torch).
+
+The ingress sends one ``GenerateRequest`` (tokenized and validated); the replica answers
+with a stream of ``GenerateChunk``, one per committed block, the last one ``finished``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from replicas.limits import length_error, pages_needed
+
+if TYPE_CHECKING:
+    from replicas.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    algorithm: str | None = None  # None: the replica's default
+    algorithm_params: dict[str, Any] = field(default_factory=dict)
+    ignore_eos: bool = False
+    cost: float | None = None  # row-steps charged at admission; None: the replica's worst case
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    text: str = ""
+    num_new_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    error_kind: Literal["invalid_request"] | None = None  # the request itself was refused (a 400)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    steps: int = 0  # forwards the request took so far
+    block_steps: list[int] = field(default_factory=list)  # steps of each committed block
+    replica: str = ""
+    engine_s: float = 0.0  # seconds since the replica received the request
+
+    @classmethod
+    def refusal(cls, message: str) -> "GenerateChunk":
+        return cls(finished=True, error=message, error_kind="invalid_request")
+
+
+@dataclass(frozen=True)
+class RequestProblem:
+    """Why a tokenized request cannot run; ``too_long``: it does not fit the context."""
+
+    message: str
+    too_long: bool = False
+
+
+def request_problem(prompt_ids: Sequence[int], max_tokens: int, spec: ModelSpec, max_model_len: int,
+                    pool_pages: int | None = None) -> RequestProblem | None:
+    """The first problem of a prompt and output limit for this model, or None. ``pool_pages``:
+    the KV pages of the replica's pool, where known."""
+    if not prompt_ids:
+        return RequestProblem("the prompt is empty")
+    if any(not 0 <= t < spec.vocab_size for t in prompt_ids):
+        return RequestProblem("the prompt has token ids outside the vocabulary")
+    if spec.mask_token_id in prompt_ids:
+        return RequestProblem("the prompt contains the mask token id")
+    too_long = length_error(len(prompt_ids), max_tokens, spec.block_length, max_model_len)
+    if too_long:
+        return RequestProblem(too_long, too_long=True)
+    needed = pages_needed(len(prompt_ids), max_tokens, spec.block_length)
+    if pool_pages is not None and needed > pool_pages:
+        return RequestProblem(f"the request needs {needed} KV pages; the pool has {pool_pages}")
+    return None

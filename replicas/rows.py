@@ -1,0 +1,53 @@
+"""Persistent per-row tensors of the running batch (the "persistent batch").
+
+Each admitted request gets a row. Its row of ``tokens`` is its whole paged sequence
+(prompt pages, committed blocks, the active block) by page index, and its row of
+``page_table`` maps its page indices to pool pages. The runner gathers step inputs from
+these with a few vectorized index operations instead of rebuilding Python lists every step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RowTable:
+    def __init__(self, num_rows: int, max_pages: int, page_size: int, pad_id: int):
+        self.num_rows = num_rows
+        self.max_pages = max_pages
+        self.page_size = page_size
+        self.tokens = torch.full((num_rows, max_pages, page_size), pad_id, dtype=torch.long)
+        self.page_table = torch.zeros((num_rows, max_pages), dtype=torch.long)
+        self.prompt_pages = torch.ones(num_rows, dtype=torch.long)
+        self.prompt_tail = torch.full((num_rows,), page_size, dtype=torch.long)
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def acquire(self, prompt_ids: list[int], pages: list[int]) -> int:
+        """Claim a row for a prompt whose prompt pages are ``pages``."""
+        row = self._free.pop()
+        size = self.page_size
+        count = len(prompt_ids)
+        flat = self.tokens[row].view(-1)
+        flat[:count] = torch.tensor(prompt_ids, dtype=torch.long)
+        self.prompt_pages[row] = len(pages)
+        self.prompt_tail[row] = count - (len(pages) - 1) * size
+        self.page_table[row, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+        return row
+
+    def start_block(self, row: int, page_index: int, page: int, mask_id: int) -> None:
+        self.page_table[row, page_index] = page
+        self.tokens[row, page_index] = mask_id
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+
+    def blocks(self, rows: torch.Tensor, page_indices: torch.Tensor) -> torch.Tensor:
+        """Copy of the active blocks ``[B, L]``."""
+        return self.tokens[rows, page_indices]
+
+    def write_blocks(self, rows: torch.Tensor, page_indices: torch.Tensor, blocks: torch.Tensor) -> None:
+        self.tokens[rows, page_indices] = blocks

@@ -1,0 +1,68 @@
+"""The engine's settings, declared once (no torch).
+
+``EngineConfig`` is what ``replicas.engine.Engine`` runs with; the cluster config embeds
+it (``cluster.config.ReplicaSettings`` adds the Ray and Serve settings) and the
+command line's engine flags and their help are generated from its fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from replicas.batching import SchedulerMode
+
+if TYPE_CHECKING:
+    from replicas.models.spec import ModelSpec
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    mode: SchedulerMode = Field(SchedulerMode.FDFO, description="scheduler mode (replicas.batching)")
+    max_batch: int = Field(16, ge=1, le=1024, description="rows per denoise step")
+    num_pages: int | None = Field(
+        None, ge=2, description="KV pages (default: enough for max_batch requests of max_model_len)")
+    max_tokens_per_step: int | None = Field(
+        None, ge=1, description="new-token budget per step, chunked prefill (default: max(512, max_batch x block length))")
+    max_model_len: int | None = Field(None, ge=1, description="longest prompt + output (default: the model's limit)")
+    device: str = Field("cpu", description="torch device ('cpu', 'cuda')")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="weights and KV dtype (default: bfloat16 on CUDA, float32 elsewhere)")
+    kv_cache: Literal["prefix", "none"] = Field(
+        "prefix", description="'none' recomputes the whole sequence every step (exact for bidirectional models, slow)")
+    attention_backend: Literal["auto", "sdpa", "flash"] = Field(
+        "auto", description="attention kernel: 'flash' is vllm-flash-attn (CUDA, the gpu extra); auto picks it when usable")
+    lora: str | None = Field(None, description="PEFT LoRA adapter directory merged into the weights at load")
+    model_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="per-model defaults to override: block_length, mask_token_id, eos_token_id, "
+                    "attention (block_causal|bidirectional), default_algorithm, default_algorithm_params")
+    fill_timeout_s: float | None = Field(
+        None, ge=0, description="fixed_fill mode: batch fill timeout in seconds (default: tuned online)")
+    fdfo_fill_hold: bool = Field(
+        True, description="fdfo mode: an under-filled step may wait briefly for arrivals (replicas.fill_timeout)")
+    algorithm: str | None = Field(
+        None, description="denoise algorithm of requests that name none (default: the model's own, "
+                          "from the per-model defaults table)")
+    algorithm_params: dict[str, Any] = Field(
+        default_factory=dict, description="parameters of that default algorithm, e.g. {threshold: 0.9}")
+
+
+def resolve_algorithm(config: EngineConfig, spec: ModelSpec, name: str | None = None,
+                      params: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """The algorithm a request runs and its parameters (not yet validated).
+
+    The default is the configured algorithm with its parameters, else the model's own with
+    the configured parameters on top of the model's. A request naming no algorithm, or the
+    default one, gets ``params`` on top of the default's parameters; another algorithm
+    gets ``params`` alone.
+    """
+    if config.algorithm is None:
+        default, default_params = spec.default_algorithm, {**spec.default_algorithm_params, **config.algorithm_params}
+    else:
+        default, default_params = config.algorithm, config.algorithm_params
+    name = name or default
+    return name, {**(default_params if name == default else {}), **(params or {})}
