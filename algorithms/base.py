@@ -30,8 +30,28 @@ from typing import Any, ClassVar
 import torch
 
 
+# Bounds every algorithm applies to the common parameters (README "Request bounds").
+MAX_SEED = 2**63 - 1  # seeds are 63-bit, like the ones the ingress draws
+MAX_TEMPERATURE = 100.0  # sampling is as good as uniform long before this
+MIN_TEMPERATURE = 1e-4  # the smallest positive temperature (0 = greedy): logits / T stays finite in float32
+
+
 class AlgorithmError(ValueError):
-    """An unknown algorithm name or an invalid parameter value."""
+    """An unknown algorithm name or an invalid parameter value; ``param``: the parameter's
+    name where one parameter is at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)``, shortened (and safe for integers too long to print)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return "a number of more than 4300 digits"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_number(
@@ -48,12 +68,12 @@ def check_number(
     finite = not isinstance(value, float) or math.isfinite(value)
     if isinstance(value, bool) or not isinstance(value, kinds) or not finite:
         kind = "an integer" if integer else "a finite number"
-        raise AlgorithmError(f"{name} must be {kind}, got {value!r}")
+        raise AlgorithmError(f"{name} must be {kind}, got {short_repr(value)}", param=name)
     if minimum is not None and (value <= minimum if exclusive_minimum else value < minimum):
         relation = ">" if exclusive_minimum else ">="
-        raise AlgorithmError(f"{name} must be {relation} {minimum}, got {value}")
+        raise AlgorithmError(f"{name} must be {relation} {minimum}, got {short_repr(value)}", param=name)
     if maximum is not None and value > maximum:
-        raise AlgorithmError(f"{name} must be <= {maximum}, got {value}")
+        raise AlgorithmError(f"{name} must be <= {maximum}, got {short_repr(value)}", param=name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +84,12 @@ class AlgorithmParams:
     seed: int | None = None
 
     def validate(self) -> None:
-        check_number("temperature", self.temperature, minimum=0)
+        check_number("temperature", self.temperature, minimum=0, maximum=MAX_TEMPERATURE)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise AlgorithmError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                                 f"got {short_repr(self.temperature)}", param="temperature")
         if self.seed is not None:
-            check_number("seed", self.seed, integer=True)
+            check_number("seed", self.seed, minimum=0, maximum=MAX_SEED, integer=True)
 
 
 class DllmAlgorithm(ABC):
@@ -83,7 +106,8 @@ class DllmAlgorithm(ABC):
         if unknown:
             raise AlgorithmError(
                 f"unknown parameter(s) {unknown} for algorithm {self.name!r}; "
-                f"known: {sorted(known)}"
+                f"known: {sorted(known)}",
+                param=unknown[0] if len(unknown) == 1 else None,
             )
         try:
             params = self.params_class(**overrides)

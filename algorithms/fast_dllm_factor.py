@@ -23,13 +23,16 @@ from .sampling import gumbel
 from .selection import per_row, top_n
 
 
+MAX_FACTOR = 1e6  # any factor above block_length + 1 already fills every masked position
+
+
 @dataclasses.dataclass(frozen=True)
 class FastDllmFactorParams(AlgorithmParams):
     factor: float = 1.0
 
     def validate(self) -> None:
         super().validate()
-        check_number("factor", self.factor, minimum=0, exclusive_minimum=True)
+        check_number("factor", self.factor, minimum=0, exclusive_minimum=True, maximum=MAX_FACTOR)
 
 
 @register

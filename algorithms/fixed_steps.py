@@ -18,11 +18,12 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import AlgorithmError, AlgorithmParams, DllmAlgorithm, check_number, register
+from .base import AlgorithmError, AlgorithmParams, DllmAlgorithm, check_number, register, short_repr
 from .sampling import RowNoise, gumbel_tokens, token_probability, uniform_rows
 from .selection import masked_confidence, per_row, top_n
 
 REMASKING = ("low_confidence", "random")
+MAX_STEPS = 4096  # per block; more steps than a block has masks fill one token per step anyway
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +33,10 @@ class FixedStepsParams(AlgorithmParams):
 
     def validate(self) -> None:
         super().validate()
-        check_number("steps", self.steps, minimum=1, integer=True)
-        if self.remasking not in REMASKING:
-            raise AlgorithmError(f"remasking must be one of {REMASKING}, got {self.remasking!r}")
+        check_number("steps", self.steps, minimum=1, maximum=MAX_STEPS, integer=True)
+        if not isinstance(self.remasking, str) or self.remasking not in REMASKING:
+            raise AlgorithmError(f"remasking must be one of {REMASKING}, got {short_repr(self.remasking)}",
+                                 param="remasking")
 
 
 @dataclasses.dataclass

@@ -28,6 +28,10 @@ from .sampling import RowNoise, TopKTopPParams, categorical, greedy
 from .selection import at_least_one, masked_confidence, per_row
 
 
+MAX_POST_EDIT_STEPS = 256  # SGLang's default is 16; each one can cost a forward of the block
+MAX_PENALTY_LAMBDA = 1000.0  # in logits: far past a ban of the repeated token already
+
+
 @dataclasses.dataclass(frozen=True)
 class JointThresholdParams(TopKTopPParams):
     threshold: float = 0.5
@@ -39,8 +43,9 @@ class JointThresholdParams(TopKTopPParams):
         super().validate()
         check_number("threshold", self.threshold, minimum=0, maximum=1)
         check_number("edit_threshold", self.edit_threshold, minimum=0, maximum=1)
-        check_number("max_post_edit_steps", self.max_post_edit_steps, minimum=0, integer=True)
-        check_number("penalty_lambda", self.penalty_lambda, minimum=0)
+        check_number("max_post_edit_steps", self.max_post_edit_steps, minimum=0,
+                     maximum=MAX_POST_EDIT_STEPS, integer=True)
+        check_number("penalty_lambda", self.penalty_lambda, minimum=0, maximum=MAX_PENALTY_LAMBDA)
 
 
 @dataclasses.dataclass

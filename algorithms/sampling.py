@@ -29,6 +29,9 @@ from .base import AlgorithmParams, check_number
 from .selection import per_row
 
 
+MAX_TOP_K = 1 << 20  # above any served vocabulary (top_k beyond the vocabulary keeps every token)
+
+
 class Proposal(NamedTuple):
     tokens: torch.Tensor  # LongTensor[B, L]
     confidence: torch.Tensor  # FloatTensor[B, L]
@@ -43,7 +46,7 @@ class TopKTopPParams(AlgorithmParams):
 
     def validate(self) -> None:
         super().validate()
-        check_number("top_k", self.top_k, minimum=0, integer=True)
+        check_number("top_k", self.top_k, minimum=0, maximum=MAX_TOP_K, integer=True)
         check_number("top_p", self.top_p, minimum=0, maximum=1, exclusive_minimum=True)
 
 

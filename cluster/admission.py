@@ -1,22 +1,62 @@
-"""Step-aware admission: charge each request its cost in row-steps, refuse beyond capacity.
+"""Step-aware admission: admit a request when the cluster is predicted to finish it within
+the SLO, refuse it at once (429, ``Retry-After``) otherwise.
 
-A request's cost is blocks x steps per block, where steps per block is the algorithm's
-worst case or, if configured, a high quantile of the steps per block the replicas have
-measured. The cluster may owe at most ``capacity`` row-steps: per replica, either a
-configured bound or its measured drain rate x the SLO latency (what it can finish in
-time). A request that does not fit is refused at once (429) with ``Retry-After`` =
-the time the cluster needs to drain the excess. An idle cluster always admits, so a
-request larger than the capacity still runs. Charged costs are released as the
-request's steps are taken and in full when it ends.
+API used by the ingress (cluster/ingress.py):
+* ``quick_refusal(blocks=1) -> Decision | None``: cheap, called BEFORE the body is parsed
+  or tokenized; a Decision (admitted=False, retry_after_s) when even a request of
+  ``blocks`` answer blocks (default 1: the cheapest) would be refused now, else None
+  (go on). It charges nothing.
+* ``cost(max_tokens, block_length, worst_case_steps_per_block)`` then
+  ``try_admit(cost) -> Decision`` (charges on admission), ``Charge(controller, cost)``
+  with ``.progress(steps)`` / ``.close()`` releasing it, ``release(amount)``,
+  ``outstanding`` (row-steps admitted here and not yet released), ``update_view(view)``,
+  ``slo_latency_s`` (the SLO in force: configured, or derived from the replicas' reports).
+
+How a request is decided:
+
+* Its cost, in row-steps (one row advanced by one step): its most blocks x steps per
+  block, the mean (or ``admission.cost_quantile``) of the steps per block the replicas
+  measured, at most the algorithm's worst case (the worst case until measured). It is
+  also the number of steps the request itself takes, one after another.
+* The work ahead of it, D: the step debt the replicas reported (what they received and
+  have not done yet: the source of truth) plus what this ingress admitted after those
+  reports were taken (admissions newer than the oldest report's ``stats_time``; replicas
+  and ingress read the same wall clock). Before any replica has reported: ``outstanding``.
+* Each replica's ``DrainModel`` (``replicas.cost_model``): a step of b rows takes
+  c0 + c1·b seconds, so it drains r(b) = b / (c0 + c1·b) row-steps per second, more at
+  a larger batch. The queue runs at b = rows in flight (reported live requests + admitted
+  since + this one) per replica, at most max_batch and at most the largest batch the fit
+  has measured (never extrapolated); R = the sum of the replicas' r(b). A replica that
+  has not measured a step drains ``admission.initial_row_steps_per_s``.
+* Predicted completion = (D + cost) / R + cost x (c0 + c1·b): the queue ahead and the
+  request drain at R, and the request cannot be faster than its own steps one after
+  another (the sum is on the safe side).
+* Admitted iff the prediction <= the SLO (``SLOSettings.latency_for``); an idle cluster
+  (D = 0) always admits, so a request longer than the SLO still runs. A refusal's
+  ``Retry-After`` is the excess, prediction - SLO, rounded up, at least 1 s: the time the
+  work ahead needs to drain that much.
+
+``admission.max_step_debt_per_replica`` replaces the prediction with a fixed bound: admit
+while D + cost <= bound x replicas; ``Retry-After`` = excess / R.
+
+Several ingress replicas (n, from the metrics actor): each adds to the reported debt its
+own admissions since the reports, counted n times, as if every other ingress had admitted
+as much (Serve's proxy spreads requests evenly over them); so they agree as soon as a
+report counts a request, and between two reports together they fill the headroom about
+once instead of n times. When the reports lag (a busy metrics actor), D is at least n x
+this ingress's own outstanding charges, which it knows live.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
+import time
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.config import AdmissionSettings
+from cluster.config import AdmissionSettings, SLOSettings
+from replicas.cost_model import DrainModel, mean_steps
 from replicas.limits import request_cost, steps_quantile
 
 LIVE_AFTER_S = 10.0  # replica stats older than this are ignored
@@ -29,53 +69,115 @@ class Decision:
 
 
 class AdmissionController:
-    def __init__(self, settings: AdmissionSettings, slo_latency_s: float, min_replicas: int):
+    def __init__(self, settings: AdmissionSettings, slo_latency_s: float | None, min_replicas: int,
+                 clock: Callable[[], float] = time.time):
+        """``slo_latency_s``: None derives it from the replicas' reports; ``clock``: the wall
+        clock the replicas' ``stats_time`` is on."""
         self.settings = settings
-        self.slo_latency_s = slo_latency_s
+        self.slo = SLOSettings(latency_s=slo_latency_s)
         self.min_replicas = min_replicas
+        self.clock = clock
         self.outstanding = 0.0
         self.view: dict[str, dict] = {}
+        self._prior = DrainModel(1 / settings.initial_row_steps_per_s, 0.0, 1, 1)
+        self._since_report: deque[tuple[float, float]] = deque()  # (time, cost) admitted after the reports
+        self._since_report_cost = 0.0
+        self.ingress_replicas = 1  # live ingress replicas, this one included (set by the ingress)
+        self._measured_steps: float | None = None
+        self._slo_s = self.slo.latency_for(())
 
+    # ---- the replicas' reports -----------------------------------------------------------
     def update_view(self, view: dict[str, dict]) -> None:
         """Latest routing stats per replica (from the metrics actor)."""
         self.view = {r: v for r, v in view.items() if v.get("age_s", 0) <= LIVE_AFTER_S}
-
-    def steps_per_block(self, worst_case: int) -> float:
-        quantile = self.settings.cost_quantile
-        if quantile is None:
-            return worst_case
+        reported_at = min((v["stats_time"] for v in self.view.values() if "stats_time" in v), default=None)
+        if reported_at is not None:
+            while self._since_report and self._since_report[0][0] <= reported_at:
+                self._since_report_cost -= self._since_report.popleft()[1]
+            if not self._since_report:
+                self._since_report_cost = 0.0  # no float drift
         merged: Counter = Counter()
         for stats in self.view.values():
             merged.update({int(k): v for k, v in stats.get("steps_per_block", {}).items()})
-        measured = steps_quantile(merged, quantile)
+        quantile = self.settings.cost_quantile
+        self._measured_steps = mean_steps(merged) if quantile is None else steps_quantile(merged, quantile)
+        self._slo_s = self.slo.latency_for(v["longest_request_s"] for v in self.view.values()
+                                           if v.get("longest_request_s") is not None)
+
+    @property
+    def slo_latency_s(self) -> float:
+        """The SLO in force: configured, or derived from the replicas' last reports."""
+        return self._slo_s
+
+    # ---- costs ---------------------------------------------------------------------------
+    def steps_per_block(self, worst_case: float) -> float:
+        measured = self._measured_steps
         return worst_case if measured is None else min(measured, worst_case)
 
-    def cost(self, max_tokens: int, block_length: int, worst_case_steps_per_block: int) -> float:
-        return request_cost(max_tokens, block_length, self.steps_per_block(worst_case_steps_per_block))
+    def cost(self, max_tokens: int, block_length: int, worst_case_steps_per_block: int,
+             max_cost: int | None = None) -> int:
+        """Blocks x steps per block (see the module docstring), at most ``max_cost``
+        (``replicas.limits.max_request_cost``: what one replica row holds)."""
+        return request_cost(max_tokens, block_length, self.steps_per_block(worst_case_steps_per_block), max_cost)
 
-    def _rates(self) -> list[float]:
-        rates = [v.get("row_steps_per_s", self.settings.initial_row_steps_per_s) for v in self.view.values()]
-        missing = max(0, self.min_replicas - len(rates))
-        return rates + [self.settings.initial_row_steps_per_s] * missing
+    # ---- the prediction ------------------------------------------------------------------
+    def work_ahead(self) -> float:
+        """Row-steps the cluster owes before a request admitted now (D in the docstring):
+        the replicas' reported debt plus what was admitted since, or, when that is less
+        (reports late, or none), this ingress's own outstanding charges, live, times the
+        ingress replicas."""
+        own = self.ingress_replicas * self.outstanding
+        if not self.view:
+            return own
+        reported = sum(v.get("step_debt", 0.0) for v in self.view.values())
+        return max(reported + self.ingress_replicas * self._since_report_cost, own)
 
-    def capacity(self) -> float:
-        rates = self._rates()
-        if self.settings.max_step_debt_per_replica is not None:
-            return self.settings.max_step_debt_per_replica * len(rates)
-        return sum(rates) * self.slo_latency_s
+    def _drain(self) -> tuple[float, float]:
+        """(R, step seconds at the batch the queue will run at), see the module docstring."""
+        if self.view:
+            models = [DrainModel.from_stats(v) or self._prior for v in self.view.values()]
+            rows = sum(v.get("live_requests", 0) for v in self.view.values()) + len(self._since_report) + 1
+        else:
+            models, rows = [self._prior] * self.min_replicas, 1
+        batch = -(-rows // len(models))
+        return sum(m.rate(batch) for m in models), max(m.step_s(batch) for m in models)
+
+    def predicted_s(self, cost: float) -> float:
+        """Seconds until a request of ``cost`` row-steps admitted now completes."""
+        rate, step_s = self._drain()
+        return (self.work_ahead() + cost) / rate + cost * step_s
+
+    def _decide(self, cost: float) -> Decision:
+        ahead = self.work_ahead()
+        if not self.settings.enabled or ahead <= 0:
+            return Decision(True)
+        bound = self.settings.max_step_debt_per_replica
+        if bound is not None:
+            excess = ahead + cost - bound * (len(self.view) or self.min_replicas)
+            excess_s = excess / self._drain()[0]
+        else:
+            excess_s = self.predicted_s(cost) - self._slo_s
+        return Decision(True) if excess_s <= 0 else Decision(False, max(1, math.ceil(excess_s)))
+
+    # ---- decisions and charges -------------------------------------------------------------
+    def quick_refusal(self, blocks: int = 1) -> Decision | None:
+        """The refusal a request of ``blocks`` answer blocks would get now, else None."""
+        decision = self._decide(blocks * (self._measured_steps or 1.0))
+        return None if decision.admitted else decision
 
     def try_admit(self, cost: float) -> Decision:
-        if not self.settings.enabled or self.outstanding <= 0:
+        decision = self._decide(cost)
+        if decision.admitted:
             self.outstanding += cost
-            return Decision(True)
-        excess = self.outstanding + cost - self.capacity()
-        if excess <= 0:
-            self.outstanding += cost
-            return Decision(True)
-        return Decision(False, max(1, math.ceil(excess / sum(self._rates()))))
+            if self.view:  # without reports, ``outstanding`` is the work ahead
+                self._since_report.append((self.clock(), cost))
+                self._since_report_cost += cost
+        return decision
 
     def release(self, amount: float) -> None:
-        self.outstanding = max(0.0, self.outstanding - amount)
+        # charges are released in fractional pieces: snap float residue (costs are >= 1) to 0
+        remaining = self.outstanding - amount
+        self.outstanding = remaining if remaining > 1e-6 else 0.0
 
 
 class Charge:

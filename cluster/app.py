@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 
@@ -18,6 +19,50 @@ from replicas.deployment import EngineReplica
 log = logging.getLogger(__name__)
 
 
+def control_plane_cores(cores: int) -> int:
+    """Cores a node keeps for the control plane: 1 on <= 4 cores, else 2."""
+    return 1 if cores <= 4 else 2
+
+
+def size_for_node(config: AppConfig, cores: int, engines_on_node: int) -> AppConfig:
+    """``config`` with the settings left unset derived from a node of ``cores`` CPUs that
+    runs ``engines_on_node`` engine replicas; settings given explicitly win.
+
+    * The control plane (Serve's proxy, the metrics actor, the ingress replicas) keeps
+      ``control_plane_cores``: 1 core on <= 4 cores, else 2, and runs one ingress replica
+      per control-plane core (``ingress.replicas``).
+    * The engines share the other cores equally: ``replica.num_cpus`` = (cores - control
+      cores) / engines_on_node (whole CPUs above 1, as Ray wants), and
+      ``replica.torch_threads`` = the whole CPUs a replica reserves, at least 1, so that no
+      engine's threads spill onto the control plane's core. On a GPU node the engine's
+      Python thread is what feeds the GPU: its reserved core matters more than torch's
+      CPU threads.
+    * Ray reservations: ``replica.num_cpus`` per engine, ``ingress.num_cpus`` (0.5) per
+      ingress replica; Serve's proxy and the metrics actor (pinned to the head, which
+      offers Ray no CPUs on Kubernetes) reserve none: their core stays free because the
+      engines are sized to the rest.
+
+    `dllm-serve up` sizes for the machine it runs on, all replicas on it; `render k8s`
+    for one worker pod of ``kubernetes.worker_cpus``.
+    """
+    replica = config.replica
+    num_cpus = replica.num_cpus
+    if num_cpus is None:
+        share = max(cores - control_plane_cores(cores), 1) / max(engines_on_node, 1)
+        num_cpus = float(math.floor(share)) if share >= 1 else max(0.01, math.floor(share * 100) / 100)
+    threads = replica.torch_threads or max(1, math.floor(num_cpus))
+    ingress = config.ingress.replicas or control_plane_cores(cores)
+    return config.model_copy(update={
+        "replica": replica.model_copy(update={"num_cpus": num_cpus, "torch_threads": threads}),
+        "ingress": config.ingress.model_copy(update={"replicas": ingress}),
+    })
+
+
+def size_for_this_node(config: AppConfig) -> AppConfig:
+    """``size_for_node`` for the machine this runs on, holding every engine replica."""
+    return size_for_node(config, os.cpu_count() or 1, config.autoscaling.max_replicas)
+
+
 def replica_deployment_options(config: AppConfig) -> dict:
     """Options of the replica deployment, plain data (classes by import path), so that
     they also render into Kubernetes serveConfigV2 unchanged."""
@@ -26,8 +71,8 @@ def replica_deployment_options(config: AppConfig) -> dict:
         "name": "EngineReplica",
         "max_ongoing_requests": config.replica.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": config.replica.num_cpus, "num_gpus": config.replica.num_gpus},
-        "health_check_period_s": 5.0,
-        "health_check_timeout_s": 30.0,
+        "health_check_period_s": 2.0,
+        "health_check_timeout_s": 10.0,
         "graceful_shutdown_timeout_s": 60.0,
         "request_router_config": {
             "request_router_class": "cluster.router:DrainTimeRouter",
@@ -51,26 +96,39 @@ def replica_deployment_options(config: AppConfig) -> dict:
 
 
 def ingress_deployment_options(config: AppConfig) -> dict:
-    return {"name": "Ingress", "num_replicas": 1, "max_ongoing_requests": 100_000,
-            "ray_actor_options": {"num_cpus": 0.1}}
+    """Options of the ingress deployment. Serve's proxy queues at most
+    ``ingress.max_queued_requests`` requests for busy ingress replicas and answers the next
+    ones itself: 429, ``Retry-After: 1`` and a plain-text body (Serve writes it, not us)."""
+    ingress = config.ingress
+    return {"name": "Ingress", "num_replicas": ingress.replicas,
+            "max_ongoing_requests": ingress.max_ongoing_requests,
+            "max_queued_requests": ingress.max_queued_requests,
+            "backpressure_config": {"status_code": 429, "retry_after_s": 1},
+            # a replaced ingress replica lets its streams finish, as a drain does
+            "graceful_shutdown_timeout_s": config.drain_timeout_s,
+            "ray_actor_options": {"num_cpus": ingress.num_cpus}}
 
 
 def build_app(config: AppConfig):
-    """The bound application: Ingress -> EngineReplica (routed by predicted drain time)."""
+    """The bound application: Ingress -> EngineReplica (routed by predicted drain time);
+    settings left unset are sized for this node (``size_for_this_node``)."""
+    config = size_for_this_node(config)
     replica = serve.deployment(EngineReplica).options(**replica_deployment_options(config)).bind(
         config.model, config.replica,
         metrics_actor={"name": ACTOR_NAME, "namespace": ACTOR_NAMESPACE},
         stats_period_s=config.stats_period_s,
         initial_row_steps_per_s=config.admission.initial_row_steps_per_s,
         torch_threads=config.replica.torch_threads,
+        stall_timeout_s=config.replica.stall_timeout_s,
+        unhealthy_after_failed_steps=config.replica.unhealthy_after_failed_steps,
     )
     ingress = serve.deployment(Ingress).options(**ingress_deployment_options(config))
     return ingress.bind(replica, app_args(config))
 
 
 def app_args(config: AppConfig) -> dict:
-    """The config as the app builder's JSON arguments (secrets included)."""
-    return config.model_dump(mode="json") | _secrets(config)
+    """The config as the app builder's JSON arguments (no key: each ingress reads them, ``cluster.auth``)."""
+    return config.model_dump(mode="json")
 
 
 def build_from_args(args: dict):
@@ -81,18 +139,20 @@ def build_from_args(args: dict):
     return build_app(config)
 
 
-def _secrets(config: AppConfig) -> dict:
-    """model_dump hides SecretStr values; the ingress needs the key itself."""
-    return {"api_key": config.api_key.get_secret_value()} if config.api_key else {}
+METRICS_ACTOR_START_S = 120.0  # how long a start waits for the metrics actor (a busy node starts slowly)
 
 
 def start_metrics_actor(config: AppConfig):
-    """The named metrics actor on the head node (idempotent); returns its scrape URL."""
+    """The named metrics actor on the head node (idempotent); returns its scrape URL.
+
+    Detached and restarted whenever it dies (``max_restarts=-1``): the new process binds
+    ``metrics_port`` again (SO_REUSEADDR, ``cluster.metrics.serve_metrics``) and the replicas
+    and ingress replicas refill it at their next report; nobody waits on it unboundedly."""
     actor = ray.remote(MetricsActor).options(
         name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_restarts=-1, resources={"node:__internal_head__": 0.001},
     ).remote(config.host, config.metrics_port)
-    return ray.get(actor.ready.remote())
+    return ray.get(actor.ready.remote(), timeout=METRICS_ACTOR_START_S)
 
 
 def check_ports_free(config: AppConfig) -> None:
@@ -102,6 +162,9 @@ def check_ports_free(config: AppConfig) -> None:
         if port is None:
             continue
         with socket.socket() as probe:
+            # as the servers bind: a port left with TIME_WAIT connections only (a stop
+            # just before) is free to them
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((config.host, port))
             except OSError as exc:
@@ -110,15 +173,19 @@ def check_ports_free(config: AppConfig) -> None:
 
 def deploy(config: AppConfig, address: str | None = None) -> str:
     """Start (or connect to) Ray, the metrics actor and the Serve app; returns the metrics URL."""
+    config = size_for_this_node(config)
     if address:
         ray.init(address=address, namespace=ACTOR_NAMESPACE, log_to_driver=False)
     else:
-        needed = config.autoscaling.max_replicas * config.replica.num_cpus + 0.1
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
+        needed = (config.autoscaling.max_replicas * config.replica.num_cpus
+                  + config.ingress.replicas * config.ingress.num_cpus)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(needed)),
                  include_dashboard=False, namespace=ACTOR_NAMESPACE, log_to_driver=False,
                  _metrics_export_port=config.ray_metrics_port)
     app = build_from_args(app_args(config))  # the builder Kubernetes runs, metrics actor included
-    serve.start(http_options={"host": config.host, "port": config.port})
+    # one HTTP proxy, on the head: nodes of one machine (tests) would fight over the port,
+    # and `up` serves on the address of the machine it runs on
+    serve.start(proxy_location="HeadOnly", http_options={"host": config.host, "port": config.port})
     serve.run(app, name=config.name, route_prefix="/")
     return start_metrics_actor(config)
 
@@ -153,7 +220,8 @@ def cluster_status(address: str = "auto") -> dict:
         }
         try:
             view = ray.get(ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE).cluster_view.remote(), timeout=10)
-        except ValueError:
+        except (ValueError, ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+            log.warning("no replica stats: the metrics actor is not answering (%s)", type(exc).__name__)
             view = {}
         return {"applications": apps, "replicas": view}
     finally:

@@ -7,9 +7,11 @@ import asyncio
 import enum
 import json
 import logging
+import math
 import signal
 import sys
 import threading
+import time
 import types
 from typing import Literal, Union, get_args, get_origin
 
@@ -20,6 +22,8 @@ from algorithms import available_algorithms
 from replicas.batching import MODES
 from replicas.settings import EngineConfig
 
+
+log = logging.getLogger(__name__)
 
 ENGINE_DEST = "engine."  # `generate`'s engine flags land at engine.<field>
 REPLICA_DEST = "replica."  # `up`'s replica flags land at their config key, replica.<field>
@@ -180,7 +184,8 @@ def cmd_loadgen(args) -> int:
 
 _UP_SHORTCUTS = {  # flag dest -> config key, besides the replica.* flags
     "model": "model", "port": "port", "metrics_port": "metrics_port", "host": "host",
-    "min_replicas": "autoscaling.min_replicas", "max_replicas": "autoscaling.max_replicas", "api_key": "api_key",
+    "min_replicas": "autoscaling.min_replicas", "max_replicas": "autoscaling.max_replicas", "api_key_file": "api_key_file",
+    "drain_timeout": "drain_timeout_s",
 }
 
 
@@ -226,8 +231,55 @@ def _check_model_default_algorithm(config, spec) -> None:
             raise ConfigError(f"replica.algorithm_params (for the model's default {name}): {exc}") from None
 
 
+def drain(config, interrupted: threading.Event) -> str:
+    """Stop admitting cluster-wide and wait until the requests in flight have finished, at
+    most ``config.drain_timeout_s`` (or until ``interrupted``); returns what happened.
+
+    The order goes through the metrics actor (``MetricsExporter.drain``), re-sent every poll
+    so that an actor restarted meanwhile has it too; each ingress replica gets it with its
+    next sync and from then on answers 503. Drained: every live ingress has reported that it
+    stopped admitting, with no request in flight and no admission charge outstanding, and
+    at least two stats periods and a metrics timeout have passed since the order and since
+    the metrics actor (re)started (an ingress that had not reported yet has reported by
+    then). Every call is bounded by ``ingress.metrics_timeout_s``.
+    """
+    import ray
+
+    from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
+
+    start = time.monotonic()
+    deadline = start + config.drain_timeout_s
+    settle_s = 2 * config.stats_period_s + config.ingress.metrics_timeout_s
+    status, shown = None, -math.inf
+    while not interrupted.is_set():
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        try:
+            actor = ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE)
+            status = ray.get(actor.drain.remote(), timeout=min(config.ingress.metrics_timeout_s, deadline - now))
+        except (ValueError, ray.exceptions.RayError) as exc:  # not there, restarting or slow: ask again
+            log.debug("drain: the metrics actor did not answer: %s", exc)
+        else:
+            idle = status["stopped"] == status["ingresses"] and status["in_flight"] == 0 and status["outstanding"] == 0
+            if idle and now - start >= settle_s and status["age_s"] >= settle_s:
+                return (f"drained in {time.monotonic() - start:.1f} s: {status['ingresses']} ingress replica(s) "
+                        f"stopped admitting, no request in flight, no admission charge outstanding")
+            if now - shown >= 5.0:
+                shown = now
+                print(f"draining: {status['in_flight']} request(s) in flight on {status['ingresses']} ingress "
+                      f"replica(s), {status['stopped']} stopped admitting; waiting up to "
+                      f"{deadline - now:.0f} s more", flush=True)
+        interrupted.wait(0.2)
+    if interrupted.is_set():
+        return f"drain interrupted after {time.monotonic() - start:.1f} s"
+    left = "unknown" if status is None else status["in_flight"]
+    return f"drain timeout after {config.drain_timeout_s:g} s, requests still in flight: {left}"
+
+
 def cmd_up(args) -> int:
     from cluster.app import check_ports_free, deploy, shutdown
+    from cluster.auth import load_keys
 
     from replicas.models import check_checkpoint
 
@@ -235,24 +287,41 @@ def cmd_up(args) -> int:
     replica = config.replica
     spec = check_checkpoint(config.model, replica.lora, replica.model_overrides)  # before any process starts
     _check_model_default_algorithm(config, spec)
+    keys = load_keys(config.api_key_file)  # the ingress replicas read them again, each in its process
     if args.address is None:  # a local cluster: its ports must be free
         check_ports_free(config)
-    stop = threading.Event()
+    stop, graceful, interrupted = threading.Event(), threading.Event(), threading.Event()
+
+    def on_sigterm(*_) -> None:
+        if graceful.is_set():  # a second SIGTERM: stop at once
+            interrupted.set()
+        graceful.set()
+        stop.set()
+
+    def on_sigint(*_) -> None:
+        interrupted.set()
+        stop.set()
+
     print(f"starting dllm-serve: model {config.model_name}, {config.autoscaling.min_replicas}"
-          f"-{config.autoscaling.max_replicas} replica(s), mode {config.replica.mode.value}", flush=True)
+          f"-{config.autoscaling.max_replicas} replica(s), mode {config.replica.mode.value}, "
+          f"{f'{len(keys)} API key(s) required' if keys else 'no API key required'}", flush=True)
     try:
         metrics_url = deploy(config, args.address)
-        # after ray.init, which installs handlers of its own: SIGTERM and SIGINT (even when
-        # started in the background, where SIGINT arrives ignored) both stop cleanly
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        # after ray.init, which installs handlers of its own: SIGTERM drains, then stops;
+        # SIGINT (even when started in the background, where it arrives ignored) stops at once
+        signal.signal(signal.SIGTERM, on_sigterm)
+        signal.signal(signal.SIGINT, on_sigint)
         base = f"http://{config.host}:{config.port}"
-        auth = f" -H 'Authorization: Bearer {config.api_key.get_secret_value()}'" if config.api_key else ""
+        auth = " -H \"Authorization: Bearer $KEY\"" if keys else ""
         print(f"OpenAI API: {base}/v1\nmetrics:    {metrics_url}\ntry:\n"
               f"  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} "
               f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": \"{_EXAMPLE_PROMPT}\", \"max_tokens\": 32}}'\n"
-              f"ready; Ctrl-C stops", flush=True)
+              f"ready; Ctrl-C stops (SIGTERM drains first: up to {config.drain_timeout_s:g} s)", flush=True)
         stop.wait()
+        if graceful.is_set() and not interrupted.is_set() and config.drain_timeout_s > 0:
+            print(f"SIGTERM: draining (new requests get 503; up to {config.drain_timeout_s:g} s for the "
+                  f"requests in flight)", flush=True)
+            print(drain(config, interrupted), flush=True)
     except KeyboardInterrupt:
         pass
     finally:
@@ -283,9 +352,11 @@ def cmd_status(args) -> int:
 
 def cmd_render(args) -> int:
     from cluster.config import load_config
-    from cluster.render import render_k8s
+    from cluster.render import RenderOptions, render_k8s
 
-    text = render_k8s(load_config(args.config, _parse_set(args.set)), args.config)
+    options = RenderOptions(api_key_secret=args.api_key_secret, api_key_secret_key=args.api_key_secret_key,
+                            network_policy=args.network_policy).check()
+    text = render_k8s(load_config(args.config, _parse_set(args.set)), args.config, options)
     if args.output:
         with open(args.output, "w") as out:
             out.write(text)
@@ -335,9 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser(
         "up", help="start a local Ray cluster serving the model over an OpenAI API",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Start Ray (local, or --address), the metrics actor and the Serve application; "
-                    "Ctrl-C stops everything. Settings come from defaults, then --config, then --set, "
-                    "then the shortcut flags.",
+        description="Start Ray (local, or --address), the metrics actor and the Serve application.\n"
+                    "Stopping: Ctrl-C (SIGINT) stops everything at once. SIGTERM stops gracefully: new\n"
+                    "requests get 503 (code server_draining, Retry-After), the requests in flight finish\n"
+                    "(at most drain_timeout_s, --drain-timeout), then everything stops and the exit code\n"
+                    "is 0; a second SIGTERM or a Ctrl-C cuts the drain short.\n"
+                    "Settings come from defaults, then --config, then --set, then the shortcut flags.",
         epilog="settings (YAML keys for --config, dotted keys for --set):\n" + "\n".join(describe_fields())
                + "\n  algorithm.name, algorithm.params: short for replica.algorithm, replica.algorithm_params")
     up.add_argument("--config", help="YAML file with settings")
@@ -350,7 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host")
     up.add_argument("--port", type=int)
     up.add_argument("--metrics-port", type=int)
-    up.add_argument("--api-key")
+    up.add_argument("--api-key-file", metavar="FILE",
+                    help="require API keys, listed in FILE (one per line, optionally followed by the most requests "
+                         "in flight that key may have); keys may also come from the environment variable "
+                         "DLLM_API_KEYS (comma-separated); never pass a key on the command line")
+    up.add_argument("--drain-timeout", type=float, metavar="S",
+                    help="seconds SIGTERM waits for the requests in flight (drain_timeout_s, default 30)")
     _setting_flags(up.add_argument_group("replica settings (replica.* keys)"), ReplicaSettings, REPLICA_DEST,
                    algorithm_choices)
     up.set_defaults(func=cmd_up)
@@ -365,12 +444,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="Render the KubeRay RayService for the settings of `dllm-serve up --config FILE`: "
                     "serveConfigV2 (the same app builder, deployment options and autoscaling), a head group "
                     "and a worker group (nvidia.com/gpu when kubernetes.worker_gpus > 0), probes, resources "
-                    "and metrics ports. The kubernetes.* settings (see `dllm-serve up --help`) choose the "
-                    "image and pod sizes; deploy/README.md has the steps to apply it.")
+                    "and metrics ports; headless Services for Prometheus and a NetworkPolicy. The kubernetes.* "
+                    "settings (see `dllm-serve up --help`) choose the image and pod sizes; deploy/README.md has "
+                    "the steps to apply it.")
     render.add_argument("target", choices=["k8s"], help="what to render (k8s: a ray.io/v1 RayService)")
     render.add_argument("--config", required=True, help="YAML file with settings, as for `dllm-serve up`")
     render.add_argument("--set", action="append", metavar="KEY=VALUE", help="one setting, e.g. --set kubernetes.image=X")
     render.add_argument("-o", "--output", metavar="FILE", help="write here instead of standard output")
+    render.add_argument(
+        "--api-key-secret", metavar="NAME",
+        help="require an API key, read from this Secret: the Ray pods get DLLM_API_KEYS (keys separated by "
+             "commas) from its key --api-key-secret-key; no key is written into the manifest, and the pods "
+             "do not start until the Secret exists")
+    render.add_argument("--api-key-secret-key", metavar="KEY",
+                        help="the key inside the --api-key-secret Secret (default: api-key)")
+    render.add_argument(
+        "--no-network-policy", dest="network_policy", action="store_false",
+        help="leave out the NetworkPolicy that admits only the Serve and metrics ports from outside the "
+             "RayService's pods (GCS, Ray client and dashboard stay inside, the operator excepted)")
     render.set_defaults(func=cmd_render)
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side")
@@ -394,8 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
         target.set_defaults(func=cmd_bench)
 
     from loadgen.capacity.cli import add_bench_calibration_parser, add_calibrate_parser, add_simulate_parser
+    from loadgen.overload import add_bench_overload_parser
 
     add_bench_calibration_parser(targets)
+    add_bench_overload_parser(targets)
     add_calibrate_parser(commands)
     add_simulate_parser(commands)
 

@@ -6,12 +6,14 @@ The same object drives `dllm-serve up` and renders the Kubernetes manifests.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cluster.auth import API_KEYS_ENV
 from replicas.settings import EngineConfig
 
 
@@ -26,10 +28,18 @@ class _Section(BaseModel):
 class ReplicaSettings(EngineConfig):
     """The engine settings of every replica, and what Ray and Serve give each one."""
 
-    num_cpus: float = Field(0.5, gt=0, description="Ray CPUs reserved per replica")
+    num_cpus: float | None = Field(
+        None, gt=0, description="Ray CPUs reserved per replica (default: the node's cores left to engines, "
+                                "shared by the replicas on it; see cluster.app.size_for_node)")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved per replica")
-    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per replica (default: torch's)")
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads per replica (default: the whole CPUs it reserves, at least 1)")
     max_ongoing_requests: int = Field(4096, ge=1, description="Serve's per-replica in-flight cap (admission bounds it first)")
+    stall_timeout_s: float = Field(
+        30.0, gt=0, description="a replica whose engine has not finished a step for this long with work pending "
+                                "fails its health check (Serve replaces it; its requests resume elsewhere)")
+    unhealthy_after_failed_steps: int = Field(
+        3, ge=1, description="a replica whose last this many engine steps failed fails its health check")
 
     @model_validator(mode="after")
     def _check_algorithm(self) -> "ReplicaSettings":
@@ -45,28 +55,79 @@ class ReplicaSettings(EngineConfig):
 
 
 class AdmissionSettings(_Section):
-    enabled: bool = Field(True, description="refuse requests beyond the cluster's step capacity with 429")
+    enabled: bool = Field(
+        True, description="refuse with 429 a request whose predicted completion time is over slo.latency_s "
+                          "(cluster.admission)")
     cost_quantile: float | None = Field(
         None, gt=0, le=1,
-        description="charge blocks x this quantile of measured steps per block (default: the algorithm's worst case)")
+        description="charge blocks x this quantile of measured steps per block (default: their mean; "
+                    "the algorithm's worst case until measured)")
     max_step_debt_per_replica: float | None = Field(
         None, gt=0,
-        description="row-steps a replica may owe (default: measured row-steps/s x slo.latency_s)")
+        description="a fixed bound instead: row-steps a replica may owe (default: none, admit by predicted completion)")
     initial_row_steps_per_s: float = Field(
-        500.0, gt=0, description="drain-rate prior used until replicas have measured theirs")
+        500.0, gt=0, description="drain-rate prior used until replicas have measured their step cost")
+
+
+SLO_MULTIPLE = 2.0
+SLO_FALLBACK_S = 30.0
 
 
 class SLOSettings(_Section):
-    latency_s: float = Field(30.0, gt=0, description="target end-to-end latency (admission capacity, autoscaling, alerts)")
+    latency_s: float | None = Field(
+        None, gt=0,
+        description=f"target end-to-end latency (admission, autoscaling); default derived: {SLO_MULTIPLE:g} x the "
+                    f"seconds the longest request (max_model_len) takes alone at full batch, from the replicas' "
+                    f"measured step cost and mean steps per block ({SLO_FALLBACK_S:g} s until measured)")
     time_to_first_block_s: float = Field(5.0, gt=0, description="target time to the first streamed block")
+
+    def latency_for(self, longest_request_s: Iterable[float]) -> float:
+        """``latency_s``, or derived from the replicas' reported ``longest_request_s``."""
+        if self.latency_s is not None:
+            return self.latency_s
+        longest = max(longest_request_s, default=None)
+        return SLO_FALLBACK_S if longest is None else SLO_MULTIPLE * longest
 
 
 class AutoscalingSettings(_Section):
     min_replicas: int = Field(1, ge=1, description="replicas at least")
     max_replicas: int = Field(1, ge=1, description="replicas at most (> min_replicas enables autoscaling)")
-    target_drain_s: float | None = Field(None, gt=0, description="scale so that step debt drains in this time (default: slo.latency_s / 2)")
+    target_drain_s: float | None = Field(
+        None, gt=0, description="scale so that step debt drains in this time at full batch (default: slo.latency_s / 2)")
     upscale_delay_s: float = Field(5.0, ge=0, description="seconds a scale-up decision must hold before it acts")
     downscale_delay_s: float = Field(60.0, ge=0, description="seconds a scale-down decision must hold before it acts")
+
+
+class IngressSettings(_Section):
+    """The OpenAI ingress deployment and Serve's queue in front of it."""
+
+    replicas: int | None = Field(
+        None, ge=1, description="ingress replicas (default: 1 on a node of <= 4 cores, else 2; "
+                                "they admit consistently through the replicas' reported step debt)")
+    num_cpus: float = Field(0.5, gt=0, description="Ray CPUs reserved per ingress replica")
+    max_ongoing_requests: int = Field(
+        1024, ge=1, description="requests one ingress replica holds at once (admitted streams and refusals in progress)")
+    max_queued_requests: int = Field(
+        256, ge=1, description="requests the Serve proxy queues for a busy ingress; beyond it the proxy answers 429 "
+                               "(plain text, Retry-After: 1)")
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, description="largest request body; larger ones get 413 before they are read")
+    max_prompt_chars: int = Field(
+        1 << 18, ge=1, description="most characters of a completion's prompt, and of a chat's messages together "
+                                   "(400 beyond; the model's max_model_len bounds the tokens after that)")
+    max_messages: int = Field(
+        512, ge=1, description="most messages of one chat request (400 beyond, counted before they are parsed)")
+    metrics_timeout_s: float = Field(
+        2.0, gt=0, description="how long the ingress waits for the metrics actor before it gives up on a call")
+
+
+class FailoverSettings(_Section):
+    """Resuming a request on another replica when its replica fails (cluster.failover)."""
+
+    max_attempts: int = Field(
+        4, ge=1, description="replica attempts per request, the first included; then the request fails with 503")
+    backoff_s: float = Field(
+        0.25, ge=0, description="wait before the second attempt, doubled for each further one")
 
 
 class KubernetesSettings(_Section):
@@ -85,7 +146,6 @@ class KubernetesSettings(_Section):
 
 _ALGORITHM_KEYS = {"name": "algorithm", "params": "algorithm_params"}
 
-
 class AppConfig(_Section):
     model: str = Field("tiny", description="checkpoint directory, or 'tiny' for the embedded model")
     served_model_name: str | None = Field(None, description="name in /v1/models (default: 'tiny' or the directory name)")
@@ -96,14 +156,34 @@ class AppConfig(_Section):
     ray_metrics_port: int | None = Field(
         None, ge=1, le=65535,
         description="Prometheus port of Ray's own metrics, ray_serve_* included (default: a free port; 8080 on Kubernetes)")
-    api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer KEY' when set")
+    api_key_file: str | None = Field(
+        None, description=f"file of API keys, one per line: KEY or 'KEY MAX_CONCURRENT' (its requests in flight per "
+                          f"ingress replica); keys also come from the environment variable {API_KEYS_ENV} (entries "
+                          f"separated by commas); with any key, requests need 'Authorization: Bearer KEY' "
+                          f"(cluster.auth)")
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none")
+    request_timeout_s: float | None = Field(
+        600.0, gt=0, description="a request still running this long after it arrived ends with a timeout error "
+                                 "(504), its pages and admission charge freed; none: no deadline")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="on SIGTERM `dllm-serve up` stops admitting (503 server_draining, Retry-After) "
+                                "and waits this long at most for the requests in flight to finish, then stops")
     stats_period_s: float = Field(0.5, gt=0, description="how often replicas report routing/metrics stats")
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     slo: SLOSettings = Field(default_factory=SLOSettings)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+    ingress: IngressSettings = Field(default_factory=IngressSettings)
+    failover: FailoverSettings = Field(default_factory=FailoverSettings)
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_key_in_the_config(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "api_key" in raw:
+            raise ValueError(f"api_key is not a setting: a key in the configuration would reach the application's "
+                             f"arguments in clear text; put the keys in api_key_file or in {API_KEYS_ENV}")
+        return raw
 
     @model_validator(mode="before")
     @classmethod
@@ -132,8 +212,11 @@ class AppConfig(_Section):
         return self.served_model_name or ("tiny" if self.model == "tiny" else Path(self.model).name)
 
     @property
-    def target_drain_s(self) -> float:
-        return self.autoscaling.target_drain_s or self.slo.latency_s / 2
+    def target_drain_s(self) -> float | None:
+        """None: half the SLO derived at run time (``SLOSettings.latency_for``)."""
+        if self.autoscaling.target_drain_s is not None or self.slo.latency_s is None:
+            return self.autoscaling.target_drain_s
+        return self.slo.latency_s / 2
 
 
 def _set_path(tree: dict, dotted: str, value: Any) -> None:

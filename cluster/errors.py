@@ -1,11 +1,23 @@
-"""OpenAI-style error envelopes for every failure the API can answer."""
+"""OpenAI-style error envelopes for every failure the API can answer.
+
+A client's own mistakes are told in full (4xx, naming the field in ``param``); a failure
+of ours never shows its text, exception class or traceback to the client: a 500 carries
+a generic message and a request id (``internal_error``), and the details go to the log
+under that id.
+"""
 
 from __future__ import annotations
+
+import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -26,14 +38,23 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    first = exc.errors()[0]
+def internal_error(request_id: str) -> APIError:
+    """The 500 for a failure of ours: a generic message with the request id, nothing else
+    (log the details under ``request_id``)."""
+    return APIError(500, f"internal error; request id {request_id}", type_="server_error", code="internal_error")
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """The 400 for pydantic's (or FastAPI's) validation errors: the first one, named by its field."""
+    first = errors[0]
     if first.get("type") == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
                            code="invalid_json")
     location = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(location) or None
     message = first.get("msg", "invalid request")
+    if first.get("type") == "value_error" and "error" in first.get("ctx", {}):
+        message = str(first["ctx"]["error"])  # our own validators' words, without pydantic's "Value error, "
     if first.get("type") == "missing":
         message = f"'{param}' is a required field"
     elif param:
@@ -48,9 +69,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return _validation_error(exc).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type_=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        """Anything else a route raised: a bug of ours, told to the log, not to the client."""
+        request_id = f"req-{uuid.uuid4().hex[:24]}"
+        log.error("request %s (%s %s) failed", request_id, request.method, request.url.path, exc_info=exc)
+        return internal_error(request_id).response()

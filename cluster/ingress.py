@@ -1,37 +1,71 @@
-"""The OpenAI-compatible ingress: validation, step-aware admission, streaming.
+"""The OpenAI-compatible ingress: cheap refusals first, then validation, tokenization,
+step-aware admission and streaming.
 
 Everything a client can get wrong is caught here and answered with a 4xx error
-envelope; a replica only ever sees tokenized, validated requests.
+envelope; a replica only ever sees tokenized, validated requests. A request meets the
+cheapest checks first:
+
+1. auth and Content-Length (401, 413) before the body is read;
+2. admission's bound: 429 without reading the body when even a one-block request would
+   be refused now (``AdmissionController.quick_refusal``);
+3. the body parsed and validated (400, 404), then the bound again for its output blocks;
+4. chat template and tokenization in a worker thread, off the event loop;
+5. the exact cost charged (``try_admit``), or 429.
+
+Admission counts, the row-steps outstanding and this process's CPU time reach the
+metrics actor in one call per stats period, which also brings back the replicas' stats
+and the draining order (`dllm-serve up` on SIGTERM: from then on every request gets 503
+``server_draining`` with ``Retry-After`` before anything else, and the requests in flight
+here, reported with each call, are left to finish); no request waits on the metrics actor.
 """
 
-from __future__ import annotations
-
+# No postponed annotations here: FastAPI must see the routes' parameter types as objects
+# once Serve has shipped the routes to the replica.
 import asyncio
 import logging
+import math
+import secrets
+import time
+from collections import Counter
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import ray
-from fastapi import FastAPI, Header, Query
+from fastapi import FastAPI, Header, Query, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from algorithms import AlgorithmError, get_algorithm
 from cluster import protocol
-from cluster.admission import AdmissionController, Charge
+from cluster.admission import AdmissionController, Charge, Decision
+from cluster.auth import ApiKey, KeyRing, KeySlot, load_keys
 from cluster.config import AppConfig
-from cluster.errors import APIError, bad_request, install_error_handlers
+from cluster.errors import APIError, bad_request, install_error_handlers, internal_error, validation_error
+from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
+from replicas.limits import max_request_cost
 from replicas.messages import GenerateChunk, GenerateRequest, request_problem
 from replicas.models import load_model_spec, load_tokenizer
 from replicas.settings import resolve_algorithm
 
 log = logging.getLogger(__name__)
 
-app = FastAPI(title="dllm-serve", description="OpenAI-compatible API for masked diffusion LMs")
+# the API description routes are the Ingress's own, behind the key like the rest
+app = FastAPI(title="dllm-serve", description="OpenAI-compatible API for masked diffusion LMs",
+              docs_url=None, redoc_url=None, openapi_url=None)
 install_error_handlers(app)
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "threshold")
+
+
+# Module-level helpers of the Ingress class go above it: `serve.ingress` copies the class
+# when it decorates it, with the module globals defined at that moment.
+def _timeout(message: str) -> APIError:
+    return APIError(504, message, type_="timeout_error", code="request_timeout")
 
 
 @serve.ingress(app)
@@ -39,6 +73,7 @@ class Ingress:
     def __init__(self, replicas: DeploymentHandle, config: dict):
         self.config = AppConfig.model_validate(config)
         self.replicas = replicas.options(stream=True)
+        self.keys = KeyRing(load_keys(self.config.api_key_file))  # read here, never passed in the arguments
         self.tokenizer = load_tokenizer(self.config.model)
         self.spec = load_model_spec(self.config.model, self.config.replica.model_overrides)
         default_name, default_params = resolve_algorithm(self.config.replica, self.spec)
@@ -46,14 +81,36 @@ class Ingress:
         self.max_model_len = self.config.replica.max_model_len or self.spec.max_positions
         self.admission = AdmissionController(self.config.admission, self.config.slo.latency_s,
                                              self.config.autoscaling.min_replicas)
+        # one thread: a transformers tokenizer is not safe to call from several at once
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dllm-tokenize")
+        self.ingress_id = protocol.new_id("ingress")
+        self.admitted = 0
+        self.failovers = 0
+        self.rejected: Counter[str] = Counter()
+        self.failover = Failover(lambda job: self.replicas.generate.remote(job), self.config.failover.max_attempts,
+                                 self.config.failover.backoff_s, self.spec.block_length,
+                                 on_failover=self._count_failover)
         self._metrics = None
-        self._view_task: asyncio.Task | None = None
+        self._sync_task: asyncio.Task | None = None
+        self.draining = False  # set once by the metrics actor's answer (`dllm-serve up` stopping); never unset
+        self.in_flight = 0  # routes running here, plus streams still sending after their route returned
 
     # ---- routes -------------------------------------------------------------------------
     @app.get("/health")
     async def health(self):
-        self._ensure_view_task()
-        return {"status": "ok", "replicas_reporting": len(self.admission.view)}
+        self._ensure_sync_task()
+        return {"status": "ok", "draining": self.draining, "replicas_reporting": len(self.admission.view),
+                "slo_latency_s": self.admission.slo_latency_s}  # the SLO in force; `bench overload` reads it
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, authorization: str | None = Header(None)):
+        self._authorize(authorization)
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, authorization: str | None = Header(None)):
+        self._authorize(authorization)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="dllm-serve")
 
     @app.get("/v1/models")
     async def models(self, authorization: str | None = Header(None)):
@@ -70,31 +127,102 @@ class Ingress:
         actor = self._metrics_actor()
         if actor is None:
             raise APIError(503, "the metrics actor is not running", type_="server_error")
-        return {"max_batch": self.config.replica.max_batch,
-                "replicas": await actor.calibration.remote(window_s)}
+        try:
+            replicas = await asyncio.wait_for(actor.calibration.remote(window_s),
+                                              self.config.ingress.metrics_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(503, "the metrics actor did not answer in time", type_="server_error") from None
+        except ray.exceptions.RayActorError:  # it died or is restarting: look it up afresh next time
+            self._metrics = None
+            raise APIError(503, "the metrics actor is restarting; retry", type_="server_error",
+                           headers={"Retry-After": "1"}) from None
+        return {"max_batch": self.config.replica.max_batch, "replicas": replicas}
 
     @app.post("/v1/completions")
-    async def completions(self, body: protocol.CompletionRequest, authorization: str | None = Header(None)):
-        self._authorize(authorization)
-        return await self._serve(body, body.prompt, chat=False)
+    async def completions(self, request: Request):
+        return await self._generate(request, protocol.CompletionRequest, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: protocol.ChatCompletionRequest,
-                               authorization: str | None = Header(None)):
-        self._authorize(authorization)
-        messages = [m.model_dump() for m in body.messages]
-        try:
-            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:
-            raise bad_request(f"messages cannot be rendered by the chat template: {exc}", param="messages")
-        return await self._serve(body, prompt, chat=True)
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, protocol.ChatCompletionRequest, chat=True)
 
     # ---- the request path -------------------------------------------------------------------
-    def _authorize(self, authorization: str | None) -> None:
-        key = self.config.api_key
-        if key is not None and authorization != f"Bearer {key.get_secret_value()}":
+    async def _generate(self, request: Request, model: type[BaseModel], chat: bool):
+        """A completion route: the key and its limit first, then ``_read`` and ``_serve``;
+        the key's place is held until the response ends."""
+        with self._counted():
+            slot = self._key_slot(self._authorize(request.headers.get("authorization")))
+            try:
+                body = await self._read(request, model)
+                return await self._serve(body, chat, slot)
+            except BaseException:
+                slot.release()
+                raise
+
+    def _authorize(self, authorization: str | None) -> ApiKey | None:
+        """The caller's key (None when no key is required), or 401."""
+        key = self.keys.match(authorization)
+        if key is None and self.keys.required:
             raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
                            type_="authentication_error", code="invalid_api_key")
+        return key
+
+    def _key_slot(self, key: ApiKey | None) -> KeySlot:
+        slot = self.keys.acquire(key)
+        if slot is None:
+            raise APIError(429, f"this API key has its {key.max_concurrent} requests in flight; retry when one ends",
+                           type_="rate_limit_error", code="key_concurrency_exceeded", headers={"Retry-After": "1"})
+        return slot
+
+    async def _read(self, request: Request, model: type[BaseModel]):
+        """Draining, size and admission's bound, then the body read and validated: each
+        check before the costlier ones; raises APIError."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down and admits no new requests; retry on another "
+                                "server or once it is back", type_="server_error", code="server_draining",
+                           headers={"Retry-After": "1"})
+        limit = self.config.ingress.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise self._too_large(limit)
+        self._ensure_sync_task()
+        self._refuse_if(self.admission.quick_refusal())
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > limit:
+                raise self._too_large(limit)
+        try:
+            return model.model_validate_json(raw, context=protocol.RequestLimits.of(self.config.ingress))
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+
+    @staticmethod
+    def _too_large(limit: int) -> APIError:
+        return APIError(413, f"the request body is over this server's limit of {limit} bytes",
+                        code="request_too_large")
+
+    def _refuse_if(self, decision: Decision | None) -> None:
+        """429 with Retry-After for a refusal (counted for the metrics actor)."""
+        if decision is None or decision.admitted:
+            return
+        self.rejected["step_capacity"] += 1
+        raise APIError(429, f"the cluster is at its step capacity; retry in {decision.retry_after_s} s",
+                       type_="rate_limit_error", code="step_capacity_exceeded",
+                       headers={"Retry-After": str(decision.retry_after_s)})
+
+    def _prompt(self, body: protocol.SamplingFields) -> str:
+        """The prompt text: a completion's own, or the chat template applied to the messages."""
+        if not isinstance(body, protocol.ChatCompletionRequest):
+            return body.prompt
+        messages = [m.model_dump() for m in body.messages]
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:
+            if type(exc).__module__.startswith("jinja2"):  # the template's refusal (raise_exception): about the messages
+                raise bad_request(f"messages cannot be rendered by the chat template: {exc}", param="messages")
+            log.exception("the chat template failed on a request's messages")  # no internal text to the client
+            raise bad_request("messages cannot be rendered by the chat template", param="messages") from None
 
     def _prepare(self, body: protocol.SamplingFields, prompt: str) -> GenerateRequest:
         """Validate everything and build the replica's request; raises APIError."""
@@ -109,12 +237,12 @@ class Ingress:
         if body.mode is not None and body.mode != self.config.replica.mode:
             raise bad_request(f"the replicas run in mode '{self.config.replica.mode.value}'", param="mode")
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        max_tokens = body.output_limit if body.output_limit is not None else self.config.default_max_tokens
+        max_tokens = self._max_tokens(body)
         if max_tokens <= 0:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         if max_tokens > self.max_model_len:
             raise bad_request(f"max_tokens {max_tokens} is over this model's limit of {self.max_model_len}",
-                              param="max_tokens")
+                              param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         problem = request_problem(prompt_ids, max_tokens, self.spec, self.max_model_len)
         if problem is not None:
             chat = isinstance(body, protocol.ChatCompletionRequest)
@@ -131,7 +259,8 @@ class Ingress:
             algorithm=algorithm_name,
             algorithm_params=algorithm_params,
             ignore_eos=body.ignore_eos,
-            cost=self.admission.cost(max_tokens, block, worst),
+            cost=self.admission.cost(max_tokens, block, worst, max_request_cost(self.max_model_len, block)),
+            timeout_s=self.config.request_timeout_s,
         )
 
     def _algorithm(self, body: protocol.SamplingFields) -> tuple[str, dict]:
@@ -150,36 +279,59 @@ class Ingress:
                 raise bad_request(f"algorithm '{name}' has no parameter '{field}'", param=field)
         try:
             algorithm.make_params(params)
-        except AlgorithmError as exc:
-            raise bad_request(str(exc), param="algorithm_params")
+        except AlgorithmError as exc:  # named as the client sent it: a top-level field or algorithm_params.<name>
+            param = (f"algorithm_params.{exc.param}" if exc.param in (body.algorithm_params or {})
+                     else exc.param if exc.param in requested else "algorithm_params")
+            raise bad_request(str(exc), param=param)
+        if params.get("seed") is None:  # a resumed request must draw what the first replica would have
+            params = {**params, "seed": secrets.randbits(63)}
         return name, params
 
-    async def _serve(self, body: protocol.SamplingFields, prompt: str, chat: bool):
-        self._ensure_view_task()
-        job = self._prepare(body, prompt)
+    def _max_tokens(self, body: protocol.SamplingFields) -> int:
+        return body.output_limit if body.output_limit is not None else self.config.default_max_tokens
+
+    async def _serve(self, body: protocol.SamplingFields, chat: bool, slot: KeySlot):
+        # the bound for its output blocks, before the prompt is tokenized (checked there)
+        blocks = math.ceil(min(max(self._max_tokens(body), 1), self.max_model_len) / self.spec.block_length)
+        self._refuse_if(self.admission.quick_refusal(blocks))
+        job = await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, lambda: self._prepare(body, self._prompt(body)))
         decision = self.admission.try_admit(job.cost)
-        self._record_admission(decision.admitted)
-        if not decision.admitted:
-            raise APIError(429, f"the cluster is at its step capacity; retry in {decision.retry_after_s} s",
-                           type_="rate_limit_error", code="step_capacity_exceeded",
-                           headers={"Retry-After": str(decision.retry_after_s)})
-        stream = self._charged_stream(job, Charge(self.admission, job.cost))
+        self._refuse_if(decision)
+        self.admitted += 1
+        stream = self._charged_stream(job, Charge(self.admission, job.cost), slot)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(self._sse(stream, job.request_id, chat, include_usage),
                                      media_type="text/event-stream")
         return await self._collect(stream, job.request_id, chat)
 
-    async def _charged_stream(self, job: GenerateRequest, charge: Charge) -> AsyncIterator[GenerateChunk]:
-        """The replica's chunks, releasing the admission charge as steps are taken."""
+    async def _charged_stream(self, job: GenerateRequest, charge: Charge, slot: KeySlot) -> AsyncIterator[GenerateChunk]:
+        """The request's chunks from the replicas (resumed elsewhere if one fails),
+        releasing the admission charge as steps are taken and the key's place at the end;
+        raises APIError."""
+        self.in_flight += 1
         try:
-            async for chunk in self.replicas.generate.remote(job):
+            async for chunk in self.failover.stream(job):
                 if chunk.error_kind == "invalid_request":
                     raise bad_request(chunk.error)
+                if chunk.error_kind == "timeout":
+                    raise _timeout(chunk.error)
                 charge.progress(chunk.steps)
                 yield chunk
+        except RequestTimedOut as exc:
+            raise _timeout(str(exc)) from None
+        except ReplicaFailed as exc:
+            log.error("request %s: %s", job.request_id, exc)
+            raise APIError(503, f"the replicas serving the request failed; retry (request id {job.request_id})",
+                           type_="server_error", code="replica_failed", headers={"Retry-After": "1"}) from None
         finally:
+            self.in_flight -= 1
             charge.close()
+            slot.release()
+
+    def _count_failover(self) -> None:
+        self.failovers += 1
 
     async def _collect(self, stream: AsyncIterator[GenerateChunk], request_id: str, chat: bool) -> JSONResponse:
         text, last = [], None
@@ -189,13 +341,12 @@ class Ingress:
                 last = chunk
         except APIError:
             raise
-        except Exception as exc:
-            log.exception("request %s failed in a replica", request_id)
-            raise APIError(503, f"the replica serving the request failed: {type(exc).__name__}",
-                           type_="server_error") from None
+        except Exception:
+            log.exception("request %s failed", request_id)
+            raise internal_error(request_id) from None
         if last is None or last.error:
-            raise APIError(500, f"generation failed: {last.error if last else 'no output'}",
-                           type_="server_error")
+            log.error("request %s failed: %s", request_id, last.error if last else "no output from the replica")
+            raise internal_error(request_id)
         usage = protocol.usage(last.prompt_tokens, last.completion_tokens)
         build = protocol.chat_body if chat else protocol.completion_body
         return JSONResponse(build(request_id, self.config.model_name, "".join(text), last.finish_reason,
@@ -211,7 +362,8 @@ class Ingress:
             async for chunk in stream:
                 last = chunk
                 if chunk.error:
-                    yield protocol.sse_event(APIError(500, f"generation failed: {chunk.error}", type_="server_error").body())
+                    log.error("request %s failed: %s", request_id, chunk.error)
+                    yield protocol.sse_event(internal_error(request_id).body())
                     break
                 extra = {"dllm": self._dllm_info(chunk)}
                 kwargs = {"first": first} if chat else {}
@@ -220,10 +372,9 @@ class Ingress:
                 first = False
         except APIError as exc:
             yield protocol.sse_event(exc.body())
-        except Exception as exc:
-            log.exception("stream %s failed in a replica", request_id)
-            yield protocol.sse_event(APIError(503, f"the replica serving the request failed: {type(exc).__name__}",
-                                  type_="server_error").body())
+        except Exception:
+            log.exception("request %s failed", request_id)
+            yield protocol.sse_event(internal_error(request_id).body())
         if include_usage and last is not None and not last.error:
             usage = protocol.usage(last.prompt_tokens, last.completion_tokens)
             body = build(request_id, model, "", None, chunk=True, usage_=usage)
@@ -245,22 +396,42 @@ class Ingress:
                 return None
         return self._metrics
 
-    def _record_admission(self, admitted: bool) -> None:
-        actor = self._metrics_actor()
-        if actor is not None:
-            actor.record_admission.remote(admitted, "" if admitted else "step_capacity")
+    def ingress_report(self) -> dict:
+        """This ingress's totals since it started (the metrics actor takes differences, so a
+        report that is lost or sent twice changes nothing)."""
+        return {"admitted": self.admitted, "rejected": dict(self.rejected), "failovers": self.failovers,
+                "outstanding": self.admission.outstanding, "cpu_s": time.process_time(),
+                "in_flight": self.in_flight, "draining": self.draining}
 
-    def _ensure_view_task(self) -> None:
-        if self._view_task is None or self._view_task.done():
-            self._view_task = asyncio.get_running_loop().create_task(self._refresh_view())
+    @contextmanager
+    def _counted(self):
+        """Count a request in ``in_flight`` while its route runs (`dllm-serve up` drains them)."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
-    async def _refresh_view(self) -> None:
+    def _ensure_sync_task(self) -> None:
+        if self._sync_task is None or self._sync_task.done():
+            self._sync_task = asyncio.get_running_loop().create_task(self._sync())
+
+    async def _sync(self) -> None:
+        """Once per stats period, one metrics-actor call: this ingress's report out, the
+        replicas' routing stats back."""
+        timeout = self.config.ingress.metrics_timeout_s
         while True:
             actor = self._metrics_actor()
             if actor is not None:
                 try:
-                    self.admission.update_view(await actor.cluster_view.remote())
-                except Exception as exc:  # the actor restarts; keep the last view
-                    log.debug("cluster view refresh failed: %s", exc)
+                    answer = await asyncio.wait_for(actor.ingress_sync.remote(self.ingress_id, self.ingress_report()),
+                                                  timeout)
+                    self.admission.update_view(answer["replicas"])
+                    self.admission.ingress_replicas = answer["ingresses"]
+                    self.draining = self.draining or answer["draining"]
+                except asyncio.TimeoutError:  # a slow actor: keep the last view
+                    log.debug("the metrics actor did not answer within %.1f s", timeout)
+                except Exception as exc:  # the actor restarts: look it up again
+                    log.debug("metrics actor call failed: %s", exc)
                     self._metrics = None
             await asyncio.sleep(self.config.stats_period_s)

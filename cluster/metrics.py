@@ -4,20 +4,36 @@
 a test keeps the two in agreement). ``MetricsExporter`` is plain Python and holds the
 prometheus_client registry; ``MetricsActor`` is the named Ray actor that owns one and
 serves it over HTTP on its own port.
+
+The actor is detached and restarts when it dies (``cluster.app.start_metrics_actor``): its
+state starts afresh (replicas push deltas, so counters restart from zero, which Prometheus
+reads as a counter reset; ingress replicas push totals, so theirs come back whole) and its
+HTTP server binds the same port again. No request waits on it: every caller bounds its
+calls (the ingress by ``ingress.metrics_timeout_s``, a replica keeps at most one push in
+flight).
+
+It also carries the one cluster-wide order the ingress replicas obey: draining (`dllm-serve
+up` on SIGTERM), returned with every ``ingress_sync`` answer.
 """
 
 from __future__ import annotations
 
+import errno
+import socket
+import threading
 import time
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from replicas.calibration_log import CalibrationLog
 
 ACTOR_NAME = "dllm-metrics"
 ACTOR_NAMESPACE = "dllm"
 STALE_AFTER_S = 30.0
+BIND_RETRY_S = 30.0  # a restarted actor waits this long at most for its port to be free
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
@@ -38,7 +54,7 @@ METRICS = (
     MetricSpec("dllm_step_queue_length", Gauge, "Requests waiting in a replica's engine queue for a batch row"),
     MetricSpec("dllm_running_requests", Gauge, "Requests holding a batch row (prefilling or denoising)"),
     MetricSpec("dllm_step_debt", Gauge, "Row-steps a replica still owes its live requests (admission cost minus steps taken)"),
-    MetricSpec("dllm_predicted_drain_seconds", Gauge, "Step debt divided by measured row-steps per second"),
+    MetricSpec("dllm_predicted_drain_seconds", Gauge, "Step debt divided by the drain rate at full batch (fitted step cost)"),
     MetricSpec("dllm_row_steps_per_second", Gauge, "Measured rows advanced per second of engine time"),
     MetricSpec("dllm_dispatch_overhead_seconds", Histogram, "Engine step time outside the model forward (scheduling, tensor building, commit)", buckets=_OVERHEAD_BUCKETS),
     MetricSpec("dllm_compute_ratio", Gauge, "Model forward time / engine step time over the last report window"),
@@ -57,6 +73,9 @@ METRICS = (
     MetricSpec("dllm_total_pages", Gauge, "KV pages usable by requests"),
     MetricSpec("dllm_admitted_total", Counter, "Requests admitted by the ingress", ()),
     MetricSpec("dllm_rejected_total", Counter, "Requests refused by the ingress, by reason", ("reason",)),
+    MetricSpec("dllm_failovers_total", Counter, "Requests resumed on another replica after theirs failed", ()),
+    MetricSpec("dllm_admission_outstanding", Gauge, "Row-steps admitted by the ingress replicas and not yet released", ()),
+    MetricSpec("dllm_ingress_cpu_seconds_total", Counter, "CPU seconds used by the ingress replicas' processes", ()),
     MetricSpec("dllm_replicas", Gauge, "Replicas that reported in the last 30 s", ()),
 )
 
@@ -83,8 +102,12 @@ class MetricsExporter:
         self._last_seen: dict[str, float] = {}
         self._views: dict[str, dict] = {}
         self._calibration: dict[str, CalibrationLog] = {}
+        self._ingress: dict[str, tuple[float, dict]] = {}  # ingress id -> (last seen, last report)
         self.metrics["dllm_admitted_total"].inc(0)
+        self.metrics["dllm_failovers_total"].inc(0)
         self.metrics["dllm_replicas"].set(0)
+        self.draining = False
+        self._started = time.monotonic()
 
     def push_replica(self, replica: str, report: dict) -> None:
         """Add one replica report (see ``replicas.monitor.ReplicaMonitor.report``)."""
@@ -110,11 +133,48 @@ class MetricsExporter:
             m["dllm_requests_total"].labels(replica, reason).inc(count)
         self._prune()
 
-    def record_admission(self, admitted: bool, reason: str = "") -> None:
-        if admitted:
-            self.metrics["dllm_admitted_total"].inc()
-        else:
-            self.metrics["dllm_rejected_total"].labels(reason).inc()
+    def push_ingress(self, ingress: str, report: dict) -> None:
+        """Add one ingress replica's totals (``cluster.ingress.Ingress.ingress_report``):
+        counters grow by what is new since its last report, the outstanding gauge is the
+        sum over live ingress replicas."""
+        m = self.metrics
+        last = self._ingress.get(ingress, (0.0, {}))[1]
+        m["dllm_admitted_total"].inc(max(0, report["admitted"] - last.get("admitted", 0)))
+        m["dllm_failovers_total"].inc(max(0, report["failovers"] - last.get("failovers", 0)))
+        seen = last.get("rejected", {})
+        for reason, count in report["rejected"].items():
+            m["dllm_rejected_total"].labels(reason).inc(max(0, count - seen.get(reason, 0)))
+        # the first report of an ingress also counts its start-up
+        m["dllm_ingress_cpu_seconds_total"].inc(max(0.0, report["cpu_s"] - last.get("cpu_s", 0.0)))
+        self._ingress[ingress] = (time.monotonic(), report)
+        self._prune()
+
+    def ingress_sync(self, ingress: str, report: dict) -> dict:
+        """An ingress's one call per stats period: its report in; out, the replicas' stats
+        (``cluster_view``) and whether to stop admitting (``draining``)."""
+        self.push_ingress(ingress, report)
+        return {"replicas": self.cluster_view(), "draining": self.draining,
+                "ingresses": max(1, len(self._live_ingresses()))}
+
+    def drain(self) -> dict:
+        """Order every ingress replica to stop admitting (they learn it with their next
+        ``ingress_sync``) and say how far the drain is: live ingress replicas, how many of
+        them have reported that they stopped admitting, their requests in flight, their
+        admission charges outstanding, and this actor's age (one restarted meanwhile has
+        heard from every ingress only after a stats period). Idempotent: `dllm-serve up`
+        calls it until drained, so an actor restarted meanwhile gets the order again."""
+        self.draining = True
+        self._prune()
+        now = time.monotonic()
+        live = self._live_ingresses()
+        return {"ingresses": len(live), "stopped": sum(1 for r in live if r.get("draining")),
+                "in_flight": sum(r.get("in_flight", 0) for r in live),
+                "outstanding": sum(r["outstanding"] for r in live), "age_s": now - self._started}
+
+    def _live_ingresses(self) -> list[dict]:
+        """The last reports of the ingress replicas heard from within STALE_AFTER_S."""
+        now = time.monotonic()
+        return [report for seen, report in self._ingress.values() if now - seen <= STALE_AFTER_S]
 
     def cluster_view(self) -> dict[str, dict]:
         """Latest routing stats per live replica, with their age in seconds."""
@@ -136,17 +196,57 @@ class MetricsExporter:
             for name in _GAUGE_SOURCES:
                 self.metrics[name].remove(replica)
         self.metrics["dllm_replicas"].set(len(self._last_seen))
+        # an ingress silent for STALE_AFTER_S is gone; its last totals stay, so a late report adds nothing twice
+        self.metrics["dllm_admission_outstanding"].set(sum(r["outstanding"] for r in self._live_ingresses()))
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 - scrapes are not logged
+        pass
+
+
+class _MetricsServer(ThreadingWSGIServer):
+    """The scrape endpoint's server: SO_REUSEADDR, so that a restarted actor binds its port
+    again even while connections of the dead one linger in TIME_WAIT."""
+
+    allow_reuse_address = True
+    daemon_threads = True
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int,
+                  retry_s: float = BIND_RETRY_S) -> _MetricsServer:
+    """Serve ``registry`` on ``host:port`` from a daemon thread. A port still held (the
+    process of the actor this one replaces may not have let go yet) is tried again every
+    0.1 s for ``retry_s`` seconds."""
+
+    class server_class(_MetricsServer):
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+            break
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+    threading.Thread(target=server.serve_forever, name="dllm-metrics-http", daemon=True).start()
+    return server
 
 
 class MetricsActor(MetricsExporter):
     """Run as a named Ray actor: serves the registry on ``host:port`` from a thread."""
 
     def __init__(self, host: str, port: int):
-        from prometheus_client import start_http_server
-
         super().__init__()
         self.address = f"http://{host}:{port}/metrics"
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = serve_metrics(self.registry, host, port)
 
     def ready(self) -> str:
         return self.address
+
+    def close(self) -> None:
+        """Stop serving and free the port (an actor that is killed frees it by exiting)."""
+        self._server.shutdown()
+        self._server.server_close()

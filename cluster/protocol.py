@@ -2,6 +2,13 @@
 
 Unknown fields are ignored (OpenAI clients send many); fields we cannot honour with a
 different meaning (``n`` > 1, ``logprobs``, ``echo``, ``best_of``) are refused.
+
+Every field is bounded (README "Request bounds"): the shape of a request here, with
+constant limits and the ingress's settings (``RequestLimits``, passed as the validation
+context: prompt characters and chat messages); the sampling values by the algorithms'
+``validate`` (``algorithms``: temperature, top_k, seed, steps, ...); ``max_tokens`` and
+``block_length`` by the model, at the ingress. The body itself is bounded by
+``ingress.max_body_bytes`` before it is read.
 """
 
 from __future__ import annotations
@@ -9,29 +16,69 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 
 from replicas.batching import SchedulerMode
+
+MAX_NAME_CHARS = 256  # model, algorithm, user
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+MAX_ALGORITHM_PARAMS = 32
+MAX_PARAM_NAME_CHARS = 64
+MAX_CONTENT_PARTS = 256  # text parts of one chat message
+MAX_STREAM_OPTIONS = 8
+MAX_INT = 2**63 - 1  # integers the model bounds later (max_tokens, block_length) fit in 64 bits
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The bounds that come from the ingress's settings (``IngressSettings``, same
+    defaults): the validation context of the request models; without one, these defaults."""
+
+    max_prompt_chars: int = 1 << 18  # a completion's prompt, and all the messages of a chat together
+    max_messages: int = 512
+
+    @classmethod
+    def of(cls, settings: Any) -> RequestLimits:
+        return cls(settings.max_prompt_chars, settings.max_messages)
+
+
+def _limits(info: ValidationInfo) -> RequestLimits:
+    return info.context if isinstance(info.context, RequestLimits) else RequestLimits()
 
 
 class DllmExtensions(BaseModel):
     """Request fields beyond OpenAI's: how the blocks are denoised."""
 
-    algorithm: str | None = Field(None, description="denoise algorithm (default: the server's)")
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    algorithm: str | None = Field(None, max_length=MAX_NAME_CHARS,
+                                  description="denoise algorithm (default: the server's)")
     threshold: float | None = Field(None, description="confidence threshold of the algorithm")
     algorithm_params: dict[str, Any] | None = Field(None, description="any other algorithm parameter")
-    block_length: int | None = Field(None, description="must equal the model's block length")
+    block_length: int | None = Field(None, ge=1, le=MAX_INT, description="must equal the model's block length")
     mode: SchedulerMode | None = Field(None, description="must equal the replicas' mode")
+
+    @field_validator("algorithm_params")
+    @classmethod
+    def _few_params(cls, params):
+        """At most a few, with short names; the algorithm checks each value."""
+        if params and len(params) > MAX_ALGORITHM_PARAMS:
+            raise ValueError(f"algorithm_params takes at most {MAX_ALGORITHM_PARAMS} parameters")
+        if params and any(len(name) > MAX_PARAM_NAME_CHARS for name in params):
+            raise ValueError(f"algorithm_params names are at most {MAX_PARAM_NAME_CHARS} characters")
+        return params
 
 
 class SamplingFields(DllmExtensions):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str
-    max_tokens: int | None = Field(None, description="output token limit (default: the server's)")
-    max_completion_tokens: int | None = None
+    model: str = Field(max_length=MAX_NAME_CHARS)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT, description="output token limit (default: the server's)")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -40,7 +87,7 @@ class SamplingFields(DllmExtensions):
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     ignore_eos: StrictBool = False
 
     @field_validator("n")
@@ -54,9 +101,21 @@ class SamplingFields(DllmExtensions):
     @classmethod
     def _stops(cls, stop):
         stops = [stop] if isinstance(stop, str) else (stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters")
         return stops
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, options):
+        if options is None:
+            return options
+        if len(options) > MAX_STREAM_OPTIONS:
+            raise ValueError(f"stream_options takes at most {MAX_STREAM_OPTIONS} options")
+        if not isinstance(options.get("include_usage", False), bool | None):
+            raise ValueError("stream_options.include_usage must be a boolean")
+        return options
 
     @property
     def output_limit(self) -> int | None:
@@ -71,11 +130,14 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
+    def _one_prompt(cls, prompt, info: ValidationInfo):
         if isinstance(prompt, list):
             if len(prompt) != 1:
                 raise ValueError("exactly one prompt per request is supported")
             prompt = prompt[0]
+        limit = _limits(info).max_prompt_chars
+        if len(prompt) > limit:
+            raise ValueError(f"the prompt has {len(prompt)} characters; this server takes at most {limit}")
         return prompt
 
     @field_validator("echo", "logprobs", "best_of")
@@ -94,14 +156,19 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, content):
+    def _text_only(cls, content, info: ValidationInfo):
         if isinstance(content, list):
+            if len(content) > MAX_CONTENT_PARTS:
+                raise ValueError(f"content takes at most {MAX_CONTENT_PARTS} parts")
             parts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError("only text content parts are supported")
                 parts.append(part["text"])
             content = "".join(parts)
+        limit = _limits(info).max_prompt_chars
+        if len(content) > limit:
+            raise ValueError(f"the content has {len(content)} characters; this server takes at most {limit}")
         return content
 
 
@@ -109,11 +176,24 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     logprobs: StrictBool | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _not_too_many(cls, messages, info: ValidationInfo):
+        """Counted before any message is validated."""
+        limit = _limits(info).max_messages
+        if isinstance(messages, list) and len(messages) > limit:
+            raise ValueError(f"{len(messages)} messages; this server takes at most {limit}")
+        return messages
+
     @field_validator("messages")
     @classmethod
-    def _not_empty(cls, messages):
+    def _some_within_the_limit(cls, messages, info: ValidationInfo):
         if not messages:
             raise ValueError("messages must not be empty")
+        limit = _limits(info).max_prompt_chars
+        chars = sum(len(m.content) for m in messages)
+        if chars > limit:
+            raise ValueError(f"the messages have {chars} characters together; this server takes at most {limit}")
         return messages
 
     @field_validator("logprobs")

@@ -3,29 +3,88 @@
 The serveConfigV2 inside it points at the builder `up` runs (``cluster.app:build_from_args``)
 with the config as its arguments, and lists the deployments' options from the functions
 `up` uses, so a local cluster and a Kubernetes one come from one file.
+
+Beside it: headless Services for Prometheus and a NetworkPolicy that keeps Ray's own ports
+(GCS, Ray client, dashboard and its job API) inside the RayService's pods. An API key never
+enters the manifest: ``--api-key-secret`` makes the pods read it from a Secret.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
 
 import ray
 import yaml
 
-from cluster.app import ingress_deployment_options, replica_deployment_options
+from cluster.app import ingress_deployment_options, replica_deployment_options, size_for_node
+from cluster.auth import API_KEYS_ENV
 from cluster.config import AppConfig, ConfigError
 
 RAY_METRICS_PORT = 8080  # KubeRay's convention for Ray's metrics on Kubernetes
+GCS_PORT, DASHBOARD_PORT, CLIENT_PORT = 6379, 8265, 10001  # Ray's head ports (KubeRay's defaults)
 MODELS_PATH = "/models"
+API_KEY_SECRET_KEY = "api-key"  # default key inside the --api-key-secret Secret
+# The pod label of the kuberay-operator Helm chart: the operator calls the head's dashboard
+# (Serve's REST API on DASHBOARD_PORT) to deploy serveConfigV2 and read the applications' status.
+KUBERAY_OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
 _RAYLET_HEALTH = "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success"
-_GCS_HEALTH = "wget -T 2 -q -O- http://localhost:8265/api/gcs_healthz | grep success"
+_GCS_HEALTH = f"wget -T 2 -q -O- http://localhost:{DASHBOARD_PORT}/api/gcs_healthz | grep success"
+_SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # DNS subdomain
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """What `render k8s` adds beyond the config: where the API keys come from and whether
+    to write the NetworkPolicy."""
+
+    api_key_secret: str | None = None  # Secret whose key ``api_key_secret_key`` holds the keys, comma-separated
+    api_key_secret_key: str | None = None  # None: API_KEY_SECRET_KEY
+    network_policy: bool = True
+
+    def check(self) -> "RenderOptions":
+        if self.api_key_secret is None:
+            if self.api_key_secret_key is not None:
+                raise ConfigError("--api-key-secret-key needs --api-key-secret")
+            return self
+        if len(self.api_key_secret) > 253 or not _SECRET_NAME.fullmatch(self.api_key_secret):
+            raise ConfigError(f"--api-key-secret {self.api_key_secret!r} is not a Secret name (lower-case "
+                              "letters, digits, '-' and '.', at most 253 characters)")
+        if len(self.secret_key) > 253 or not _SECRET_KEY.fullmatch(self.secret_key):
+            raise ConfigError(f"--api-key-secret-key {self.secret_key!r} is not a Secret key "
+                              "(letters, digits, '-', '_' and '.')")
+        return self
+
+    @property
+    def secret_key(self) -> str:
+        return self.api_key_secret_key or API_KEY_SECRET_KEY
+
+    def flags(self) -> str:
+        """The `render k8s` flags that give these options."""
+        flags = ""
+        if self.api_key_secret is not None:
+            flags += f" --api-key-secret {self.api_key_secret}"
+            if self.secret_key != API_KEY_SECRET_KEY:
+                flags += f" --api-key-secret-key {self.secret_key}"
+        return flags + ("" if self.network_policy else " --no-network-policy")
+
+    def env(self) -> list[dict]:
+        """The Ray containers' environment: API_KEYS_ENV from the Secret. Not optional: a pod
+        whose Secret or key is missing does not start (CreateContainerConfigError) rather than
+        serve without a key."""
+        if self.api_key_secret is None:
+            return []
+        return [{"name": API_KEYS_ENV, "valueFrom": {"secretKeyRef": {"name": self.api_key_secret,
+                                                                      "key": self.secret_key}}}]
 
 
 def serve_config(config: AppConfig) -> dict:
     """serveConfigV2: one application built by ``cluster.app:build_from_args``."""
-    if config.api_key is not None:
-        raise ConfigError("api_key is set: rendering would write it into the manifest in clear text; "
-                          "unset it for `render` (see deploy/README.md)")
+    if config.api_key_file is not None:
+        raise ConfigError("api_key_file is set: the pods cannot read a file of this machine; "
+                          "use --api-key-secret (see deploy/README.md)")
     k8s = config.model_copy(update={"host": "0.0.0.0"})
     return {
         "proxy_location": "EveryNode",
@@ -40,10 +99,20 @@ def serve_config(config: AppConfig) -> dict:
     }
 
 
+def sized_for_workers(config: AppConfig) -> AppConfig:
+    """The settings left unset sized for one worker pod (``cluster.app.size_for_node``): a GPU
+    pod holds as many engines as it has GPUs for, a CPU pod one, unless replica.num_cpus says."""
+    gpus = config.replica.num_gpus
+    engines = max(1, int(config.kubernetes.worker_gpus // gpus)) if gpus > 0 else 1
+    return size_for_node(config, config.kubernetes.worker_cpus, engines)
+
+
 def worker_pods(config: AppConfig, replicas: int) -> int:
-    """Worker pods that hold ``replicas`` engine replicas (and, on one of them, the ingress)."""
+    """Worker pods that hold ``replicas`` engine replicas (and, on one of them, the ingress
+    replicas); ``config`` is sized (``sized_for_workers``)."""
     k8s, replica = config.kubernetes, config.replica
-    ingress_cpus = ingress_deployment_options(config)["ray_actor_options"]["num_cpus"]
+    ingress = ingress_deployment_options(config)
+    ingress_cpus = ingress["num_replicas"] * ingress["ray_actor_options"]["num_cpus"]
     per_pod = math.floor((k8s.worker_cpus - ingress_cpus) / replica.num_cpus)
     if replica.num_gpus > 0:
         per_pod = min(per_pod, math.floor(k8s.worker_gpus / replica.num_gpus))
@@ -63,13 +132,15 @@ def _probe(command: str, failure_threshold: int) -> dict:
             "timeoutSeconds": 2, "failureThreshold": failure_threshold}
 
 
-def _container(config: AppConfig, name: str, cpus: int, memory: str, gpus: int, ports: dict[str, int],
-               alive: str, ready: str) -> dict:
+def _container(config: AppConfig, options: RenderOptions, name: str, cpus: int, memory: str, gpus: int,
+               ports: dict[str, int], alive: str, ready: str) -> dict:
     resources = {"cpu": str(cpus), "memory": memory} | ({"nvidia.com/gpu": str(gpus)} if gpus else {})
+    env = options.env()
     return {
         "name": name,
         "image": config.kubernetes.image,
         "imagePullPolicy": "IfNotPresent",
+        **({"env": env} if env else {}),
         "ports": [{"name": port_name, "containerPort": port} for port_name, port in ports.items()],
         "resources": {"requests": resources, "limits": resources},
         # KubeRay's default probes, spelled out
@@ -79,25 +150,27 @@ def _container(config: AppConfig, name: str, cpus: int, memory: str, gpus: int, 
     }
 
 
-def _head_group(config: AppConfig, metrics_port: int) -> dict:
+def _head_group(config: AppConfig, options: RenderOptions, metrics_port: int) -> dict:
     k8s = config.kubernetes
-    ports = {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": config.port,
+    ports = {"gcs-server": GCS_PORT, "dashboard": DASHBOARD_PORT, "client": CLIENT_PORT, "serve": config.port,
              "metrics": metrics_port, "dllm-metrics": config.metrics_port}
     health = f"{_RAYLET_HEALTH} && {_GCS_HEALTH}"
-    container = _container(config, "ray-head", k8s.head_cpus, k8s.head_memory, 0, ports, health, health)
+    container = _container(config, options, "ray-head", k8s.head_cpus, k8s.head_memory, 0, ports, health, health)
     # num-cpus 0: replicas and the ingress run on workers; the head keeps Serve's controller,
-    # a proxy and the metrics actor (pinned to the head, so one scrape target serves it)
+    # a proxy and the metrics actor (pinned to the head, so one scrape target serves it).
+    # dashboard-host 0.0.0.0: the operator reaches the dashboard through the head Service;
+    # network_policy() admits only the RayService's pods and the operator to it.
     return {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0",
                                "metrics-export-port": str(metrics_port)},
             "template": {"metadata": {"labels": _pod_labels(config)}, "spec": {"containers": [container]}}}
 
 
-def _worker_group(config: AppConfig, metrics_port: int) -> dict:
+def _worker_group(config: AppConfig, options: RenderOptions, metrics_port: int) -> dict:
     k8s = config.kubernetes
     if config.replica.num_gpus > 0 and k8s.worker_gpus == 0:
         raise ConfigError("replica.num_gpus > 0 needs kubernetes.worker_gpus > 0")
     serving = f"{_RAYLET_HEALTH} && wget -T 2 -q -O- http://localhost:{config.port}/-/healthz | grep success"
-    container = _container(config, "ray-worker", k8s.worker_cpus, k8s.worker_memory, k8s.worker_gpus,
+    container = _container(config, options, "ray-worker", k8s.worker_cpus, k8s.worker_memory, k8s.worker_gpus,
                            {"serve": config.port, "metrics": metrics_port}, _RAYLET_HEALTH, serving)
     pod: dict = {"containers": [container]}
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
@@ -142,8 +215,42 @@ def metrics_services(config: AppConfig) -> list[dict]:
         ("ray-metrics", {}, ray_port))]
 
 
-def rayservice(config: AppConfig) -> dict:
-    """The KubeRay RayService manifest (ray.io/v1)."""
+def _tcp(port: int) -> dict:
+    return {"protocol": "TCP", "port": port}
+
+
+def network_policy(config: AppConfig) -> dict:
+    """A NetworkPolicy for the RayService's pods (heads and workers of every RayCluster it
+    creates, old and new during an upgrade: they carry the template labels, ``_pod_labels``;
+    KubeRay's own ``ray.io/cluster`` label names a generated RayCluster, unknown here).
+
+    In: anything from the RayService's own pods (GCS, Ray client, dashboard, object transfers,
+    ...); the dashboard from the kuberay-operator in any namespace; from anywhere else only
+    the Serve port, the metrics actor's port and Ray's metrics port (Prometheus scrapes
+    pods directly). Egress is left open."""
+    pods = {"matchLabels": _pod_labels(config)}
+    open_ports = dict.fromkeys([config.port, config.metrics_port, config.ray_metrics_port or RAY_METRICS_PORT])
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(config, f"{config.name}-ray-pods"),
+        "spec": {
+            "podSelector": pods,
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": pods}]},
+                {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": KUBERAY_OPERATOR_LABELS}}],
+                 "ports": [_tcp(DASHBOARD_PORT)]},
+                {"ports": [_tcp(port) for port in open_ports]},
+            ],
+        },
+    }
+
+
+def rayservice(config: AppConfig, options: RenderOptions = RenderOptions()) -> dict:
+    """The KubeRay RayService manifest (ray.io/v1), sized for the worker pods."""
+    options.check()
+    config = sized_for_workers(config)
     metrics_port = config.ray_metrics_port or RAY_METRICS_PORT
     return {
         "apiVersion": "ray.io/v1",
@@ -154,8 +261,8 @@ def rayservice(config: AppConfig) -> dict:
             "rayClusterConfig": {
                 "rayVersion": ray.__version__,
                 "enableInTreeAutoscaling": _pod_range(config)[1] > _pod_range(config)[0],
-                "headGroupSpec": _head_group(config, metrics_port),
-                "workerGroupSpecs": [_worker_group(config, metrics_port)],
+                "headGroupSpec": _head_group(config, options, metrics_port),
+                "workerGroupSpecs": [_worker_group(config, options, metrics_port)],
             },
         },
     }
@@ -172,7 +279,12 @@ _Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
     "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
 
 
-def render_k8s(config: AppConfig, source: str) -> str:
-    """The RayService and the metrics Services as YAML text, headed by the command that renders them."""
-    header = f"# Rendered by `dllm-serve render k8s --config {source}`: edit that file and render again.\n"
-    return header + yaml.dump_all([rayservice(config), *metrics_services(config)], Dumper=_Dumper, sort_keys=False)
+def render_k8s(config: AppConfig, source: str, options: RenderOptions = RenderOptions()) -> str:
+    """The RayService, the metrics Services and (unless ``options`` say no) the NetworkPolicy as
+    YAML documents, headed by the command that renders them."""
+    header = (f"# Rendered by `dllm-serve render k8s --config {source}{options.flags()}`: "
+              "edit that file and render again.\n")
+    documents = [rayservice(config, options), *metrics_services(config)]
+    if options.network_policy:
+        documents.append(network_policy(config))
+    return header + yaml.dump_all(documents, Dumper=_Dumper, sort_keys=False)

@@ -1,10 +1,13 @@
 """Serve request router: send each request to the replica that will drain first.
 
-A replica's predicted drain time is its step debt divided by its measured row-steps per
-second, from the routing stats Serve collects every ``stats_period_s``. Between two
-collections the router adds the cost of what it routed itself, so a burst does not all
-land on the replica that looked idlest at the last collection. Replicas whose stats are
-missing or stale share the last rank, where Serve picks the shortest queue.
+A replica's predicted drain time is its step debt divided by its drain rate at full batch
+(``drain_row_steps_per_s``, the rate admission predicts with), from the routing stats
+Serve collects every ``stats_period_s``. Between two collections the router adds the
+cost of what it routed itself, so a burst does not all land on the replica that looked
+idlest at the last collection. Replicas whose stats are missing or stale come next, where
+Serve picks the shortest queue; last come the replicas whose engine steps are failing
+(from their stats) or that just failed a request in this process (``avoid``, told by
+``cluster.failover``), so a resumed request goes elsewhere while another replica can take it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,23 @@ import time
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from replicas.messages import GenerateRequest
+
+_avoid_until: dict[str, float] = {}  # replica id -> until when (monotonic) to rank it last
+
+
+def avoid(replica_id: str, for_s: float) -> None:
+    """Rank ``replica_id`` last in this process's routers for the next ``for_s`` seconds."""
+    _avoid_until[replica_id] = time.monotonic() + for_s
+
+
+def _avoided(replica_id: str) -> bool:
+    until = _avoid_until.get(replica_id)
+    if until is None:
+        return False
+    if until < time.monotonic():
+        del _avoid_until[replica_id]
+        return False
+    return True
 
 
 class DrainTimeRouter(FIFOMixin, RequestRouter):
@@ -29,19 +49,20 @@ class DrainTimeRouter(FIFOMixin, RequestRouter):
         seen_at, routed = self._routed_since_stats.get(replica.replica_id.unique_id, (stats_time, 0.0))
         if seen_at != stats_time:
             routed = 0.0
-        rate = max(stats.get("row_steps_per_s", 0.0), 1e-9)
+        rate = max(stats.get("drain_row_steps_per_s", stats.get("row_steps_per_s", 0.0)), 1e-9)
         return (stats.get("step_debt", 0.0) + routed) / rate
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        fresh, stale = [], []
+        fresh, stale, failing = [], [], []
         for replica in candidate_replicas:
+            if _avoided(replica.replica_id.unique_id) or (replica.routing_stats or {}).get("failing_steps", 0):
+                failing.append(replica)
+                continue
             drain = self.predicted_drain_s(replica)
             (stale if drain is None else fresh).append((drain, replica))
         ranks = [[replica] for _, replica in sorted(fresh, key=lambda item: item[0])]
-        if stale:
-            ranks.append([replica for _, replica in stale])
-        return ranks
+        return [rank for rank in (*ranks, [replica for _, replica in stale], failing) if rank]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         cost = _request_cost(pending_request)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from loadgen.stats import QUANTILES
 
 
-def _num(value: float | None, fmt: str = ".3f") -> str:
+def number(value: float | None, fmt: str = ".3f") -> str:
+    """``value`` formatted, '-' for None."""
     return "-" if value is None else format(value, fmt)
 
 
@@ -20,7 +21,7 @@ def format_summary(summary: dict) -> str:
     rate = summary["achieved_rate"]
     lag = summary["max_send_lag_s"]
     lines = [
-        f"offered rate     {_num(summary['offered_rate'], '.2f')} req/s"
+        f"offered rate     {number(summary['offered_rate'], '.2f')} req/s"
         + (f"  (achieved {rate:.2f} req/s, max send lag {lag * 1000:.1f} ms)" if rate is not None else ""),
         f"duration         {summary['duration_s']:.2f} s (first send to last completion)",
         f"requests         sent {summary['sent']} = completed {summary['completed']} + refused "
@@ -29,8 +30,8 @@ def format_summary(summary: dict) -> str:
     ]
     for label, key in (("TTFB", "ttfb_s"), ("latency", "latency_s")):
         values = summary[key]
-        lines.append(f"{label:<17}" + "".join(f"{_num(values[f'p{q}']):>9}" for q in QUANTILES)
-                     + f"{_num(values['mean']):>9}{_num(values['max']):>9}")
+        lines.append(f"{label:<17}" + "".join(f"{number(values[f'p{q}']):>9}" for q in QUANTILES)
+                     + f"{number(values['mean']):>9}{number(values['max']):>9}")
     source = ", ".join(summary["tokens_from"]) or "-"
     lines += [
         f"throughput       {summary['throughput_rps']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output "
@@ -43,26 +44,31 @@ def format_summary(summary: dict) -> str:
 
 
 _SWEEP_COLUMNS = (  # header, width, value of a summary
-    ("rate", 7, lambda s: _num(s["offered_rate"], ".2f")),
+    ("rate", 7, lambda s: number(s["offered_rate"], ".2f")),
     ("sent", 6, lambda s: str(s["sent"])),
     ("ok", 6, lambda s: str(s["completed"])),
     ("429", 5, lambda s: str(s["refused"])),
     ("err", 5, lambda s: str(s["errors"])),
-    ("ttfb p50", 10, lambda s: _num(s["ttfb_s"]["p50"])),
-    ("ttfb p99", 10, lambda s: _num(s["ttfb_s"]["p99"])),
-    ("lat p50", 10, lambda s: _num(s["latency_s"]["p50"])),
-    ("lat p90", 10, lambda s: _num(s["latency_s"]["p90"])),
-    ("lat p99", 10, lambda s: _num(s["latency_s"]["p99"])),
+    ("ttfb p50", 10, lambda s: number(s["ttfb_s"]["p50"])),
+    ("ttfb p99", 10, lambda s: number(s["ttfb_s"]["p99"])),
+    ("lat p50", 10, lambda s: number(s["latency_s"]["p50"])),
+    ("lat p90", 10, lambda s: number(s["latency_s"]["p90"])),
+    ("lat p99", 10, lambda s: number(s["latency_s"]["p99"])),
     ("req/s", 8, lambda s: f"{s['throughput_rps']:.2f}"),
     ("tok/s", 9, lambda s: f"{s['output_tokens_per_s']:.1f}"),
     ("goodput", 9, lambda s: f"{s['goodput_rps']:.2f}"),
 )
 
 
+def format_table(rows: list[dict], columns) -> list[str]:
+    """A header line and one right-aligned line per row; ``columns``: (header, width, value of a row)."""
+    return (["".join(f"{header:>{width}}" for header, width, _ in columns)]
+            + ["".join(f"{value(row):>{width}}" for _, width, value in columns) for row in rows])
+
+
 def format_sweep(summaries: list[dict]) -> str:
     """One row per offered rate (latencies in seconds, rates per second)."""
-    rows = ["".join(f"{header:>{width}}" for header, width, _ in _SWEEP_COLUMNS)]
-    rows += ["".join(f"{value(s):>{width}}" for _, width, value in _SWEEP_COLUMNS) for s in summaries]
+    rows = format_table(summaries, _SWEEP_COLUMNS)
     if summaries:
         rows.append(f"goodput: completed requests {_slo_text(summaries[0]['slo'])}")
     return "\n".join(rows)

@@ -1,11 +1,15 @@
-"""The open-loop driver: every request leaves at its planned time, whatever is still running."""
+"""The load drivers: open loop (every request leaves at its planned time, whatever is still
+running) and closed loop (a fixed number of clients, each sending its next request when its
+last one ends)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import TextIO
 
 from loadgen.records import OK, REFUSED, Arrival, Record
@@ -14,9 +18,10 @@ Send = Callable[[int, Arrival, float], Awaitable[Record]]
 
 
 class Progress:
-    """Counts of a running load, drawn as one stderr line rewritten with a carriage return."""
+    """Counts of a running load, drawn as one stderr line rewritten with a carriage return
+    (``total``: the requests planned, None when not known in advance)."""
 
-    def __init__(self, total: int, label: str = "", stream: TextIO = sys.stderr, window_s: float = 2.0):
+    def __init__(self, total: int | None, label: str = "", stream: TextIO = sys.stderr, window_s: float = 2.0):
         self.total, self.label, self.stream, self.window_s = total, label, stream, window_s
         self.sent = self.completed = self.refused = self.errors = 0
         self._recent: deque[float] = deque()
@@ -40,7 +45,8 @@ class Progress:
             self._recent.popleft()
         rate = len(self._recent) / max(min(self.window_s, elapsed_s), 1e-9)
         in_flight = self.sent - self.completed - self.refused - self.errors
-        return (f"{self.label}{elapsed_s:6.1f}s  sent {self.sent}/{self.total}  completed {self.completed}  "
+        planned = "" if self.total is None else f"/{self.total}"
+        return (f"{self.label}{elapsed_s:6.1f}s  sent {self.sent}{planned}  completed {self.completed}  "
                 f"refused {self.refused}  errors {self.errors}  in flight {in_flight}  rate {rate:.1f}/s")
 
     def draw(self, elapsed_s: float, end: str = "") -> None:
@@ -54,6 +60,20 @@ class Progress:
         while True:
             self.draw(loop.time() - start)
             await asyncio.sleep(period_s)
+
+
+@asynccontextmanager
+async def _shown(progress: Progress | None, start: float) -> AsyncIterator[None]:
+    """Redraw ``progress`` (if any) while the block runs, and a last time with a newline."""
+    if progress is None:
+        yield
+        return
+    ticker = asyncio.create_task(progress.run(start))
+    try:
+        yield
+    finally:
+        ticker.cancel()
+        progress.draw(asyncio.get_running_loop().time() - start, end="\n")
 
 
 async def run_open_loop(arrivals: list[Arrival], send: Send, progress: Progress | None = None) -> list[Record]:
@@ -70,18 +90,40 @@ async def run_open_loop(arrivals: list[Arrival], send: Send, progress: Progress 
             progress.on_done(record)
         return record
 
-    ticker = asyncio.create_task(progress.run(start)) if progress else None
     tasks: list[asyncio.Task] = []
-    try:
-        for index, arrival in enumerate(arrivals):
-            delay = start + arrival.time_s - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(tracked(index, arrival)))
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        if ticker:
-            ticker.cancel()
-            progress.draw(loop.time() - start, end="\n")
+    async with _shown(progress, start):
+        try:
+            for index, arrival in enumerate(arrivals):
+                delay = start + arrival.time_s - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(tracked(index, arrival)))
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+async def run_closed_loop(prompts: list[str], send: Send, clients: int, duration_s: float,
+                          progress: Progress | None = None) -> list[Record]:
+    """``clients`` concurrent clients, each sending its next request (cycling through
+    ``prompts``) as soon as its last one ends, until ``duration_s`` has passed since the
+    start; requests still running then are waited for. Records come back in send order."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    counter = itertools.count()
+    records: list[Record] = []
+
+    async def client() -> None:
+        while loop.time() - start < duration_s:
+            index = next(counter)
+            if progress:
+                progress.on_sent(loop.time() - start)
+            record = await send(index, Arrival(loop.time() - start, prompts[index % len(prompts)]), start)
+            records.append(record)
+            if progress:
+                progress.on_done(record)
+
+    async with _shown(progress, start):
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return sorted(records, key=lambda r: r.index)

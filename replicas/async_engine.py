@@ -30,7 +30,7 @@ class AsyncEngine:
         self.on_step = on_step
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.last_step_time = time.monotonic()  # heartbeat for health checks
+        self.last_progress = time.monotonic()  # when a step last returned, or the loop was idle
         self._thread = threading.Thread(target=self._loop, name="dllm-engine", daemon=True)
         self._thread.start()
 
@@ -38,18 +38,19 @@ class AsyncEngine:
         engine = self.engine
         previous_end = None  # when the previous step ended, unless the loop waited since
         while not self._stop.is_set():
-            self.last_step_time = time.monotonic()
             if not engine.has_work():
+                self.last_progress = time.monotonic()
                 previous_end = None
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             try:
                 stats = engine.step()
-            except Exception:  # the loop must survive anything a step throws
+            except Exception:  # Engine.step contains its failures; this is the last resort
                 log.exception("engine step failed")
                 previous_end = None
                 continue
+            self.last_progress = time.monotonic()
             if stats is None:  # holding to fill a batch, or nothing runnable
                 previous_end = None
                 self._wake.wait(timeout=min(max(engine.hold_s(), 0.001), 0.05))
@@ -59,6 +60,12 @@ class AsyncEngine:
             if self.on_step is not None:
                 self.on_step(stats, None if previous_end is None else end - previous_end)
             previous_end = end
+
+    def stalled_for(self) -> float:
+        """Seconds the loop has gone without finishing a step while work is pending (0 if none)."""
+        if not self.engine.has_work():
+            return 0.0
+        return max(0.0, time.monotonic() - self.last_progress)
 
     @property
     def alive(self) -> bool:

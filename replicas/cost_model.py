@@ -5,6 +5,9 @@
 * step cost c0 + c1·b: least squares over recent (rows, step seconds) pairs;
 * steps per block and blocks per request: counts since start (the replica's one count
   of steps per block: its monitor reports ``steps_per_block_counts``).
+
+``DrainModel`` is what admission, routing and autoscaling predict with: the step cost fit,
+the batch it may be trusted up to, and the drain rate it implies.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -42,6 +46,47 @@ def fit_step_cost(step_records: Iterable[tuple[int, float]]) -> tuple[float, flo
     if c0 < 0:
         return 0.0, float((b * t).sum() / (b * b).sum())
     return float(c0), float(c1)
+
+
+@dataclass(frozen=True)
+class DrainModel:
+    """A replica's step cost ``c0 + c1 * rows`` seconds, fitted on batches of up to
+    ``measured_rows`` rows, with at most ``max_batch`` rows per step.
+
+    ``rate(rows)`` is the row-steps per second drained at that batch, rows / step seconds;
+    it grows with the batch (c0 is shared). It never extrapolates past ``measured_rows``:
+    a fit of light-load steps cannot tell c1 from c0 (all of one batch size gives c1 = 0),
+    and a full batch would look far faster than it is.
+    """
+
+    c0: float
+    c1: float
+    max_batch: int
+    measured_rows: int
+
+    def step_s(self, rows: int) -> float:
+        return self.c0 + self.c1 * max(1, min(rows, self.max_batch))
+
+    def rate(self, rows: int | None = None) -> float:
+        """Row-steps per second at ``rows`` rows (default: a full batch)."""
+        rows = max(1, min(self.max_batch if rows is None else rows, self.max_batch, self.measured_rows))
+        return rows / max(self.step_s(rows), 1e-9)
+
+    def as_stats(self) -> dict:
+        return {"c0": self.c0, "c1": self.c1, "max_batch": self.max_batch, "measured_rows": self.measured_rows}
+
+    @classmethod
+    def from_stats(cls, stats: Mapping) -> "DrainModel | None":
+        """The model in a replica's routing stats, or None when it has not measured one."""
+        if stats.get("c0") is None:
+            return None
+        return cls(stats["c0"], stats["c1"], int(stats["max_batch"]), int(stats["measured_rows"]))
+
+
+def mean_steps(counts: Mapping[int, float]) -> float | None:
+    """Mean of a steps-per-block histogram {steps: count}; None when it is empty."""
+    total = sum(counts.values())
+    return sum(int(k) * v for k, v in counts.items()) / total if total > 0 else None
 
 
 class OnlineCostModel:
@@ -80,6 +125,24 @@ class OnlineCostModel:
     def step_cost(self) -> tuple[float, float]:
         """(c0, c1) of step seconds = c0 + c1 x rows over the recent steps."""
         return fit_step_cost(self._steps) if self._steps else (0.0, 0.0)
+
+    def drain_model(self) -> DrainModel | None:
+        """The step cost over the recent steps as a ``DrainModel``; None before any step."""
+        with self._lock:
+            if not self._steps:
+                return None
+            c0, c1 = self.step_cost()
+            measured = max(rows for rows, _ in self._steps)
+        return DrainModel(c0, c1, self.max_batch, measured)
+
+    def request_alone_s(self, blocks: int) -> float | None:
+        """Seconds a request of ``blocks`` blocks takes at full batch, with the mean measured
+        steps per block; None until a step and a block have been measured."""
+        model = self.drain_model()
+        steps = mean_steps(self.steps_per_block_counts())
+        if model is None or steps is None:
+            return None
+        return blocks * steps * model.step_s(self.max_batch)
 
     def fill_timeout(self) -> float:
         """The analytic fixed-fill timeout for the current estimates (0 while nothing is known)."""

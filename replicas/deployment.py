@@ -9,7 +9,9 @@ every ``stats_period_s``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -18,28 +20,33 @@ import torch
 
 from replicas.async_engine import AsyncEngine
 from replicas.engine import Engine
-from replicas.limits import request_cost
+from replicas.limits import max_request_cost, request_cost
 from replicas.messages import GenerateChunk, GenerateRequest
 from replicas.monitor import ReplicaMonitor
-from replicas.request import FinishReason, RequestError, SamplingParams
+from replicas.request import FinishReason, RequestError, RequestOutput, SamplingParams
 from replicas.settings import EngineConfig
 
 log = logging.getLogger(__name__)
+
+PUSH_TIMEOUT_S = 10.0  # a metrics push unanswered this long is given up
 
 
 class EngineReplica:
     def __init__(self, model: str, config: EngineConfig, metrics_actor: dict | None = None,
                  stats_period_s: float = 0.5, initial_row_steps_per_s: float = 500.0,
-                 torch_threads: int | None = None, stuck_after_s: float = 60.0):
+                 torch_threads: int | None = None, stall_timeout_s: float = 30.0,
+                 unhealthy_after_failed_steps: int = 3):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         engine = Engine.from_pretrained(model, config)
         self.engine = engine
-        self.monitor = ReplicaMonitor(initial_row_steps_per_s,
-                                      steps_per_block=engine.cost_model.steps_per_block_counts)
+        self.monitor = ReplicaMonitor(initial_row_steps_per_s, cost_model=engine.cost_model,
+                                      longest_blocks=max(1, engine.max_pages_per_request - 1))  # one prompt page
         self._refresh_gauges()
-        self.stuck_after_s = stuck_after_s
+        self.stall_timeout_s = stall_timeout_s
+        self.unhealthy_after_failed_steps = unhealthy_after_failed_steps
         self.replica_id = self._replica_tag()
+        self.node_id = self._node_id()
         self.runner = AsyncEngine(engine, on_step=self.monitor.on_step)
         self._metrics_actor = metrics_actor
         self._stop = threading.Event()
@@ -56,11 +63,21 @@ class EngineReplica:
         except Exception:  # outside Serve (tests, offline use)
             return "local"
 
+    @staticmethod
+    def _node_id() -> str:
+        import ray
+
+        if not ray.is_initialized():  # outside Ray (tests, offline use): asking would start it
+            return "local"
+        return ray.get_runtime_context().get_node_id()
+
     # ---- requests -------------------------------------------------------------------
-    def worst_case_cost(self, params: SamplingParams) -> float:
+    def worst_case_cost(self, params: SamplingParams) -> int:
+        """What a request that comes without a cost is charged: the algorithm's worst case."""
         request = self.engine.make_request([0], params)
         block = self.engine.block_length
-        return request_cost(params.max_tokens, block, request.algorithm.max_steps_per_block(request.algorithm_params, block))
+        return request_cost(params.max_tokens, block, request.algorithm.max_steps_per_block(request.algorithm_params, block),
+                            max_request_cost(self.engine.max_model_len, block))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream one chunk per committed block of a tokenized request."""
@@ -69,7 +86,8 @@ class EngineReplica:
         try:
             params = SamplingParams(
                 max_tokens=request.max_tokens, stop=tuple(request.stop), algorithm=request.algorithm,
-                algorithm_params=request.algorithm_params, ignore_eos=request.ignore_eos)
+                algorithm_params=request.algorithm_params, ignore_eos=request.ignore_eos,
+                resume_ids=tuple(request.resume_ids), timeout_s=request.timeout_s)
             cost = request.cost if request.cost is not None else self.worst_case_cost(params)
             stream = self.runner.generate(request.prompt_ids, params, request_id)
             first_block = None
@@ -89,10 +107,11 @@ class EngineReplica:
                     blocks = 0 if output.error else len(output.block_steps)
                 yield GenerateChunk(
                     text=output.new_text,
-                    num_new_tokens=len(output.new_token_ids),
+                    token_ids=output.new_token_ids,
                     finished=output.finished,
                     finish_reason=output.finish_reason.value if output.finish_reason else None,
                     error=output.error,
+                    error_kind=_error_kind(output),
                     prompt_tokens=output.num_prompt_tokens,
                     completion_tokens=output.num_output_tokens,
                     steps=output.num_steps,
@@ -109,7 +128,12 @@ class EngineReplica:
     # ---- Serve hooks -------------------------------------------------------------------
     async def record_routing_stats(self) -> dict:
         self._refresh_gauges()
-        return {**self.monitor.routing_stats(), "replica": self.replica_id}
+        return {**self.monitor.routing_stats(), **self._identity()}
+
+    def _identity(self) -> dict:
+        """Who this replica is and whether its steps are failing, with every stats report."""
+        return {"replica": self.replica_id, "pid": os.getpid(), "node": self.node_id,
+                "failing_steps": self.engine.failed_steps_in_a_row}
 
     def _refresh_gauges(self) -> None:
         scheduler, pool = self.engine.scheduler, self.engine.pool
@@ -119,11 +143,41 @@ class EngineReplica:
         return self.monitor.autoscaling_stats()
 
     async def check_health(self) -> None:
+        """Unhealthy (Serve replaces the replica and the ingress resumes its requests
+        elsewhere) when the engine thread is gone, it has not finished a step for
+        ``stall_timeout_s`` with work pending, or its last steps failed: after
+        ``unhealthy_after_failed_steps`` failures in a row at once, after fewer when a probe
+        request (one block) fails too; routers rank a failing replica last, so the probe
+        is what tells a broken engine from one bad step."""
         if not self.runner.alive:
             raise RuntimeError("the engine loop thread has died")
-        idle_for = time.monotonic() - self.runner.last_step_time
-        if idle_for > self.stuck_after_s:
-            raise RuntimeError(f"the engine loop has not come round for {idle_for:.0f} s")
+        stalled = self.runner.stalled_for()
+        if stalled > self.stall_timeout_s:
+            raise RuntimeError(f"the engine loop has not finished a step for {stalled:.0f} s with work pending")
+        failed = self.engine.failed_steps_in_a_row
+        if failed >= self.unhealthy_after_failed_steps:
+            raise RuntimeError(f"the last {failed} engine steps failed")
+        if failed:
+            await self._probe()
+
+    async def _probe(self) -> None:
+        """Run a one-block request through the engine; raise if it fails or stalls."""
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        last = None
+        try:
+            async with asyncio.timeout(self.stall_timeout_s):
+                async for last in self.runner.generate([self.engine.spec.eos_token_id], params):
+                    pass
+        except TimeoutError:
+            raise RuntimeError(f"a probe request did not finish within {self.stall_timeout_s:g} s") from None
+        if last is None or last.error:
+            raise RuntimeError(f"a probe request failed: {last.error if last else 'no output'}")
+
+    def inject_faults(self, steps: int) -> str:
+        """Test hook (reached through a Serve handle, never over HTTP): make the next
+        ``steps`` engine steps fail outside the forward (-1: all). Returns this replica's id."""
+        self.engine.inject_faults(steps)
+        return self.replica_id
 
     async def stats(self) -> dict:
         """Routing stats plus engine totals, for `dllm-serve status` and tests."""
@@ -132,7 +186,8 @@ class EngineReplica:
             **(await self.record_routing_stats()),
             "steps": totals.steps, "output_tokens": totals.output_tokens,
             "requests_finished": totals.requests_finished, "requests_aborted": totals.requests_aborted,
-            "requests_failed": totals.requests_failed, "compute_ratio": totals.compute_ratio,
+            "requests_failed": totals.requests_failed, "requests_timed_out": totals.requests_timed_out,
+            "compute_ratio": totals.compute_ratio,
         }
 
     def __del__(self):
@@ -144,17 +199,51 @@ class EngineReplica:
 
     # ---- metrics push ------------------------------------------------------------------
     def _report_loop(self, period_s: float) -> None:
-        actor = None
+        """Push a report every ``period_s``, at most one at a time: while the previous push
+        is on its way (the metrics actor is slow or restarting) nothing new is sent and the
+        monitor keeps adding up, so the next report carries it all. A push unanswered for
+        ``PUSH_TIMEOUT_S`` is given up (the actor is looked up again); without an actor for
+        that long, what the monitor holds is dropped so that it stays bounded. The push in
+        flight when the actor dies is lost with it (one report's increments)."""
+        if self._metrics_actor is None:
+            return
+        import ray
+
+        actor, pending, sent_at, delivered_at = None, None, 0.0, time.monotonic()
         while not self._stop.wait(period_s):
-            if self._metrics_actor is None:
-                continue
+            now = time.monotonic()
+            if pending is not None:
+                done, _ = ray.wait([pending], timeout=0)
+                if done:
+                    pending = None
+                    try:
+                        ray.get(done[0], timeout=0)
+                        delivered_at = now
+                    except Exception as exc:  # lost with the actor that died: look it up again
+                        log.debug("metrics push failed: %s", exc)
+                        actor = None
+                elif now - sent_at < PUSH_TIMEOUT_S:
+                    continue
+                else:
+                    log.debug("metrics push unanswered for %.0f s; giving it up", now - sent_at)
+                    pending, actor = None, None
             try:
                 if actor is None:
-                    import ray
-
                     actor = ray.get_actor(self._metrics_actor["name"], namespace=self._metrics_actor["namespace"])
                 self._refresh_gauges()
-                actor.push_replica.remote(self.replica_id, self.monitor.report())
+                report = self.monitor.report()
+                report["gauges"].update(self._identity())
+                pending, sent_at = actor.push_replica.remote(self.replica_id, report), now
             except Exception as exc:  # the metrics actor may start later or restart
                 log.debug("metrics push failed: %s", exc)
                 actor = None
+                if now - delivered_at > PUSH_TIMEOUT_S:
+                    self.monitor.report()  # nobody to take it: drop it rather than grow
+
+
+def _error_kind(output: RequestOutput) -> str | None:
+    if output.error is None:
+        return None
+    if output.replica_fault:
+        return "replica_fault"
+    return "timeout" if output.finish_reason is FinishReason.TIMEOUT else None

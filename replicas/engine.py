@@ -24,7 +24,7 @@ from algorithms import AlgorithmError, get_algorithm
 from replicas.cost_model import OnlineCostModel
 from replicas.kv_cache import KVCache, PagePool
 from replicas.models import load_model, load_tokenizer
-from replicas.messages import request_problem
+from replicas.messages import request_problem, resume_problem
 from replicas.output import OutputProcessor
 from replicas.batch import ScheduledBatch
 from replicas.batching import SchedulerMode
@@ -38,6 +38,10 @@ from replicas.stats import EngineTotals, StepStats
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a step when a test asked for it (``Engine.inject_faults``)."""
 
 
 def torch_dtype(config: EngineConfig) -> torch.dtype:
@@ -86,6 +90,8 @@ class Engine:
         self._inbox: list[tuple[str, Any]] = []
         self._inbox_lock = threading.Lock()
         self._ids = itertools.count()
+        self.failed_steps_in_a_row = 0
+        self._faults_to_inject = 0
 
     @classmethod
     def from_pretrained(cls, model: str = "tiny", config: EngineConfig | None = None) -> "Engine":
@@ -108,13 +114,16 @@ class Engine:
         problem = request_problem(prompt_ids, params.max_tokens, self.spec, self.max_model_len, self.pool.capacity)
         if problem:
             raise RequestError(problem.message)
+        resume_error = resume_problem(params.resume_ids, params.max_tokens, self.spec)
+        if resume_error:
+            raise RequestError(resume_error)
         name, overrides = resolve_algorithm(self.config, self.spec, params.algorithm, params.algorithm_params)
         try:
             algorithm = get_algorithm(name)
             algorithm_params = algorithm.make_params(overrides)
         except AlgorithmError as exc:
             raise RequestError(str(exc)) from exc
-        return Request(
+        request = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=prompt_ids,
             params=params,
@@ -124,6 +133,8 @@ class Engine:
             arrival_time=self.clock(),
             on_output=on_output,
         )
+        self.outputs.resume(request)
+        return request
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None,
@@ -152,18 +163,44 @@ class Engine:
         return self.cost_model.fill_timeout()
 
     # ---- the step loop -------------------------------------------------------------
+    def inject_faults(self, steps: int) -> None:
+        """Test hook: the next ``steps`` steps that run a batch raise after scheduling it
+        (outside the forward); ``steps=-1``: every step; 0: none."""
+        self._faults_to_inject = steps
+
     def step(self) -> StepStats | None:
+        """One step. A failure outside the forward and the algorithms fails the step's rows
+        as a replica fault (their callers may resume them elsewhere) and is counted in
+        ``failed_steps_in_a_row``; the engine goes on."""
         start = time.perf_counter()
         self._drain_inbox()
+        self._expire()
+        try:
+            stats = self._step(start)
+        except Exception as exc:
+            self.failed_steps_in_a_row += 1
+            log.exception("engine step failed (%d in a row)", self.failed_steps_in_a_row)
+            concerned = self.scheduler.scheduled or list(self.scheduler.running)
+            for request in [r for r in concerned if r.finish_reason is None]:
+                self._fail(request, f"the replica's engine step failed: {type(exc).__name__}: {exc}",
+                           replica_fault=True)
+            return None
+        self.failed_steps_in_a_row = 0
+        return stats
+
+    def _step(self, start: float) -> StepStats | None:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
+        if self._faults_to_inject:
+            self._faults_to_inject -= self._faults_to_inject > 0
+            raise InjectedFault("a fault injected by inject_faults")
         try:
             logits, forward_s = self.runner.forward(batch)
         except Exception as exc:  # a broken forward fails its rows, never the engine
             log.exception("forward failed; failing %d requests", batch.num_rows)
             for request in self.scheduler.scheduled:
-                self._fail(request, f"model forward failed: {exc}")
+                self._fail(request, f"model forward failed: {exc}", replica_fault=True)
             return None
         committed = self._denoise_and_commit(batch, logits)
         stats = StepStats(
@@ -238,15 +275,31 @@ class Engine:
         return groups
 
     def _drain_inbox(self) -> None:
+        """Apply queued adds and aborts in order; one that fails is logged (a failed add
+        fails its request), the others still apply."""
         with self._inbox_lock:
             inbox, self._inbox = self._inbox, []
         for kind, item in inbox:
-            if kind == "add":
-                self.cost_model.observe_arrival(item.arrival_time)
-                self._requests[item.request_id] = item
-                self.scheduler.add(item)
-            else:
-                self._abort_now(item)
+            try:
+                if kind == "add":
+                    self.cost_model.observe_arrival(item.arrival_time)
+                    self._requests[item.request_id] = item
+                    self.scheduler.add(item)
+                else:
+                    self._abort_now(item)
+            except Exception as exc:
+                log.exception("engine inbox %s failed", kind)
+                if kind == "add":
+                    self._fail(item, f"the replica could not queue the request: {exc}", replica_fault=True)
+
+    def _expire(self) -> None:
+        """End the requests past their deadline (``SamplingParams.timeout_s``)."""
+        now = self.clock()
+        for request in [r for r in self._requests.values() if r.deadline is not None and now >= r.deadline]:
+            self._requests.pop(request.request_id, None)
+            self._end(request, FinishReason.TIMEOUT,
+                      f"the request ran past its deadline of {request.params.timeout_s:g} s")
+            self.totals.requests_timed_out += 1
 
     def _abort_now(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
@@ -255,17 +308,22 @@ class Engine:
         self._end(request, FinishReason.ABORT, None)
         self.totals.requests_aborted += 1
 
-    def _fail(self, request: Request, error: str) -> None:
+    def _fail(self, request: Request, error: str, replica_fault: bool = False) -> None:
         self._requests.pop(request.request_id, None)
-        self._end(request, FinishReason.ERROR, error)
+        try:
+            self._end(request, FinishReason.ERROR, error, replica_fault)
+        except Exception:  # state too broken to free its row: the caller still hears of it
+            log.exception("could not end request %s cleanly", request.request_id)
+            request.finish_reason = FinishReason.ERROR
+            request.emit(OutputProcessor.snapshot(request, [], "", error, replica_fault))
         self.totals.requests_failed += 1
 
-    def _end(self, request: Request, reason: FinishReason, error: str | None) -> None:
+    def _end(self, request: Request, reason: FinishReason, error: str | None, replica_fault: bool = False) -> None:
         self.scheduler.remove(request)
         if request.finish_reason is None:
             request.finish_reason = reason
             request.finish_time = self.clock()
-            request.emit(OutputProcessor.snapshot(request, [], "", error))
+            request.emit(OutputProcessor.snapshot(request, [], "", error, replica_fault))
 
     # ---- offline convenience ---------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],

@@ -6,6 +6,7 @@ requests with these.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 
@@ -28,9 +29,21 @@ def length_error(prompt_tokens: int, max_tokens: int, block_length: int, max_mod
     return None
 
 
-def request_cost(max_tokens: int, block_length: int, steps_per_block: float) -> float:
-    """Row-steps charged for a request at admission: its most blocks x steps per block."""
-    return blocks_needed(max_tokens, block_length) * steps_per_block
+def request_cost(max_tokens: int, block_length: int, steps_per_block: float,
+                 max_cost: int | None = None) -> int:
+    """Row-steps charged for a request at admission: its most blocks x steps per block,
+    rounded up to a whole number, at most ``max_cost`` (see ``max_request_cost``)."""
+    cost = math.ceil(blocks_needed(max_tokens, block_length) * steps_per_block - 1e-9)
+    return cost if max_cost is None else min(cost, max_cost)
+
+
+def max_request_cost(max_model_len: int, block_length: int) -> int:
+    """The most row-steps one request is charged, whatever its parameters: what one replica
+    row holds for the longest request the model serves (``max_model_len`` positions less
+    one prompt page, all answer blocks) at the worst case of every filling rule,
+    ``block_length`` + 1 forwards per block. Edit steps beyond that (``joint_threshold``) are not charged, so
+    a request's parameters can never make its charge block everyone else."""
+    return max(1, max_model_len // block_length - 1) * (block_length + 1)
 
 
 def steps_quantile(counts: Mapping[int, float], quantile: float) -> int | None:

@@ -26,16 +26,21 @@ class GenerateRequest:
     algorithm_params: dict[str, Any] = field(default_factory=dict)
     ignore_eos: bool = False
     cost: float | None = None  # row-steps charged at admission; None: the replica's worst case
+    resume_ids: tuple[int, ...] = ()  # a continuation: the output committed so far (whole blocks)
+    timeout_s: float | None = None  # the replica ends the request with a timeout this long after receiving it
 
 
 @dataclass(frozen=True)
 class GenerateChunk:
     text: str = ""
-    num_new_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the block's committed ids (what a continuation resumes)
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
-    error_kind: Literal["invalid_request"] | None = None  # the request itself was refused (a 400)
+    # "invalid_request": the request itself was refused (a 400); "replica_fault": the
+    # replica failed it for reasons of its own (another replica may serve it); "timeout":
+    # it ran past its deadline
+    error_kind: Literal["invalid_request", "replica_fault", "timeout"] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     steps: int = 0  # forwards the request took so far
@@ -72,4 +77,17 @@ def request_problem(prompt_ids: Sequence[int], max_tokens: int, spec: ModelSpec,
     needed = pages_needed(len(prompt_ids), max_tokens, spec.block_length)
     if pool_pages is not None and needed > pool_pages:
         return RequestProblem(f"the request needs {needed} KV pages; the pool has {pool_pages}")
+    return None
+
+
+def resume_problem(resume_ids: Sequence[int], max_tokens: int, spec: ModelSpec) -> str | None:
+    """Why ``resume_ids`` cannot continue a request with this output limit, or None."""
+    if not resume_ids:
+        return None
+    if len(resume_ids) % spec.block_length:
+        return f"resume_ids must be whole blocks of {spec.block_length} tokens"
+    if len(resume_ids) >= max_tokens:
+        return "resume_ids must be shorter than max_tokens"
+    if any(not 0 <= t < spec.vocab_size for t in resume_ids) or spec.mask_token_id in resume_ids:
+        return "resume_ids has token ids outside the vocabulary or the mask token id"
     return None

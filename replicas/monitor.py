@@ -7,7 +7,13 @@ replica's event loop. ``report()`` hands out what accumulated since the last rep
 
 Step debt is the work the replica still owes, in row-steps (one row advanced by one
 step): for every live request, its admission cost minus the steps it already took.
-Dividing it by the measured row-steps per second predicts when the replica drains.
+Routing stats also carry the replica's ``DrainModel`` (step cost c0 + c1·rows, max_batch,
+the largest batch measured: keys c0, c1, max_batch, measured_rows, once a step was
+measured), its drain rate at full batch (``drain_row_steps_per_s``; the prior before a
+step was measured) and ``longest_request_s``, the seconds a request of the most blocks
+``max_model_len`` allows takes at full batch (from which the default SLO is derived).
+Debt / drain rate predicts when the replica drains (``predicted_drain_s``);
+``row_steps_per_s`` is the rate measured at the current batch, for the dashboards.
 
 Reports also carry the new records of a ``CalibrationLog`` (what the capacity simulator
 needs; the metrics actor keeps them per replica).
@@ -18,9 +24,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 
 from replicas.calibration_log import CalibrationLog
+from replicas.cost_model import OnlineCostModel
 from replicas.stats import StepStats
 
 
@@ -28,10 +34,11 @@ class ReplicaMonitor:
     WINDOW_STEPS = 256  # steps in the drain-rate window
 
     def __init__(self, initial_row_steps_per_s: float, max_report_samples: int = 4096,
-                 steps_per_block: Callable[[], dict[int, int]] = dict):
-        """``steps_per_block``: the engine's count of steps per committed block since start
-        (``OnlineCostModel.steps_per_block_counts``), reported for admission quantiles."""
-        self.steps_per_block = steps_per_block
+                 cost_model: OnlineCostModel | None = None, longest_blocks: int = 1):
+        """``cost_model``: the engine's (its step cost fit and count of steps per committed
+        block since start); ``longest_blocks``: the most answer blocks a request can have."""
+        self.cost_model = cost_model
+        self.longest_blocks = longest_blocks
         self.initial_rate = initial_row_steps_per_s
         self.max_samples = max_report_samples
         self._lock = threading.Lock()
@@ -110,23 +117,36 @@ class ReplicaMonitor:
     def _step_debt(self) -> float:
         return sum(max(0.0, cost - steps) for cost, steps in self._debt.values())
 
+    def _drain(self) -> dict:
+        """The drain model's stats (see the module docstring); the engine's own lock."""
+        model = self.cost_model.drain_model() if self.cost_model else None
+        if model is None:
+            return {"drain_row_steps_per_s": self.initial_rate}
+        alone = self.cost_model.request_alone_s(self.longest_blocks)
+        return {**model.as_stats(), "drain_row_steps_per_s": model.rate(),
+                **({} if alone is None else {"longest_request_s": alone})}
+
     def routing_stats(self) -> dict:
+        drain = self._drain()
+        steps_per_block = self.cost_model.steps_per_block_counts() if self.cost_model else {}
         with self._lock:
-            rate = self._row_steps_per_s()
             debt = self._step_debt()
             return {
                 "step_debt": debt,
-                "row_steps_per_s": rate,
-                "predicted_drain_s": debt / rate,
+                "row_steps_per_s": self._row_steps_per_s(),
+                "predicted_drain_s": debt / drain["drain_row_steps_per_s"],
                 "live_requests": len(self._debt),
-                "steps_per_block": self.steps_per_block(),
+                "steps_per_block": steps_per_block,
                 "stats_time": time.time(),
+                **drain,
                 **self._gauges,
             }
 
     def autoscaling_stats(self) -> dict[str, float]:
+        drain = self._drain()
         with self._lock:
-            return {"step_debt": self._step_debt(), "row_steps_per_s": self._row_steps_per_s()}
+            return {"step_debt": self._step_debt(), "row_steps_per_s": self._row_steps_per_s(),
+                    **{k: drain[k] for k in ("drain_row_steps_per_s", "longest_request_s") if k in drain}}
 
     def report(self) -> dict:
         """Everything since the last report, plus current gauges and routing stats."""

@@ -14,6 +14,11 @@ class OutputProcessor:
         self.eos_id = eos_id
         self.clock = clock
 
+    def resume(self, request: Request) -> None:
+        """Start a continuation's output with the blocks it resumes (``params.resume_ids``)."""
+        request.output_ids = list(request.params.resume_ids)
+        request.output_text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+
     def commit_block(self, request: Request, block_ids: list[int]) -> tuple[list[int], str]:
         """Append a done block to ``request``'s output, set its finish reason if this ends
         it (EOS, max_tokens, a stop string), and return the token ids and text it added."""
@@ -43,7 +48,8 @@ class OutputProcessor:
         return block_ids, new_text
 
     @staticmethod
-    def snapshot(request: Request, new_ids: list[int], new_text: str, error: str | None = None) -> RequestOutput:
+    def snapshot(request: Request, new_ids: list[int], new_text: str, error: str | None = None,
+                 replica_fault: bool = False) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,
@@ -51,6 +57,7 @@ class OutputProcessor:
             finished=request.finish_reason is not None,
             finish_reason=request.finish_reason,
             error=error,
+            replica_fault=replica_fault,
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=len(request.output_ids),
             num_steps=request.num_steps,

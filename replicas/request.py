@@ -21,6 +21,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"
     ERROR = "error"
+    TIMEOUT = "timeout"  # past its deadline (``SamplingParams.timeout_s``)
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,16 @@ class SamplingParams:
     algorithm: str | None = None  # None: the engine's default
     algorithm_params: dict[str, Any] = field(default_factory=dict)
     ignore_eos: bool = False
+    # a continuation: the output a failed replica had committed (whole blocks); the
+    # request goes on from the next block as if it had produced them itself
+    resume_ids: tuple[int, ...] = ()
+    timeout_s: float | None = None  # the request ends with a timeout this long after it arrived
 
     def __post_init__(self):
         if self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise RequestError(f"timeout_s must be > 0, got {self.timeout_s}")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must be non-empty")
 
@@ -48,6 +55,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    replica_fault: bool = False  # the error is the replica's, not the request's: another may serve it
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_steps: int = 0  # forwards this request took so far
@@ -71,7 +79,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     reserved_pages: int = 0
     prompt_pages: int = 0
-    prompt_done: int = 0  # prompt tokens whose KV is in the cache
+    prefilled_pages: int = 0  # pages of the prefix (prompt, resumed blocks) whose KV is in the cache
     block_index: int = 0  # index of the active answer block
     block_steps: int = 0  # forwards of the active block so far
     committed_block_steps: list[int] = field(default_factory=list)
@@ -88,6 +96,26 @@ class Request:
     def active_page_index(self) -> int:
         """Page index of the active block."""
         return self.prompt_pages + self.block_index
+
+    @property
+    def deadline(self) -> float | None:
+        timeout = self.params.timeout_s
+        return None if timeout is None else self.arrival_time + timeout
+
+    @property
+    def resumed_blocks(self) -> int:
+        return len(self.params.resume_ids) // self.block_length
+
+    @property
+    def prefix_pages(self) -> int:
+        """Pages prefilled before the first denoised block: the prompt's and the resumed blocks'."""
+        return self.prompt_pages + self.resumed_blocks
+
+    def page_tokens(self, page_index: int) -> int:
+        """Tokens on a prefix page: full pages, except the prompt's last."""
+        if page_index == self.prompt_pages - 1:
+            return len(self.prompt_ids) - page_index * self.block_length
+        return self.block_length
 
     @property
     def max_blocks(self) -> int:

@@ -8,6 +8,8 @@ these with a few vectorized index operations instead of rebuilding Python lists 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -26,15 +28,20 @@ class RowTable:
     def num_free(self) -> int:
         return len(self._free)
 
-    def acquire(self, prompt_ids: list[int], pages: list[int]) -> int:
-        """Claim a row for a prompt whose prompt pages are ``pages``."""
+    def acquire(self, prompt_ids: list[int], pages: list[int], resume_ids: Sequence[int] = ()) -> int:
+        """Claim a row for a prompt and the blocks ``resume_ids`` it resumes with (whole
+        blocks, on the pages after the prompt's); ``pages``: the prompt's pages, then one
+        per resumed block."""
         row = self._free.pop()
         size = self.page_size
         count = len(prompt_ids)
+        prompt_pages = len(pages) - len(resume_ids) // size
         flat = self.tokens[row].view(-1)
         flat[:count] = torch.tensor(prompt_ids, dtype=torch.long)
-        self.prompt_pages[row] = len(pages)
-        self.prompt_tail[row] = count - (len(pages) - 1) * size
+        if resume_ids:
+            flat[prompt_pages * size: prompt_pages * size + len(resume_ids)] = torch.tensor(resume_ids, dtype=torch.long)
+        self.prompt_pages[row] = prompt_pages
+        self.prompt_tail[row] = count - (prompt_pages - 1) * size
         self.page_table[row, : len(pages)] = torch.tensor(pages, dtype=torch.long)
         return row
 

@@ -7,7 +7,9 @@ builds the step's batch; ``update_from_step()`` books the step's outcome (steps 
 blocks done, requests finished); ``remove()`` takes a request out on abort or failure.
 
 Pages: admission reserves a request's worst case (prompt pages + max blocks); pages are
-taken from the reservation one block at a time and all returned on release.
+taken from the reservation one block at a time and all returned on release. A
+continuation (``SamplingParams.resume_ids``) takes its resumed blocks' pages at admission
+and prefills them after its prompt.
 
 Every wait (fixed_fill's fill timeout, fdfo's hold for arrivals) is decided on ``clock``,
 so a test can run the scheduler on virtual time.
@@ -143,9 +145,10 @@ class Scheduler:
                 break  # FIFO: the head waits for pages, nobody overtakes it
             self.waiting.popleft()
             request.prompt_pages = pages - request.max_blocks
-            request.reserved_pages = request.max_blocks
-            request.pages = [self.pool.take() for _ in range(request.prompt_pages)]
-            request.row = self.rows.acquire(request.prompt_ids, request.pages)
+            request.block_index = request.resumed_blocks
+            request.reserved_pages = request.max_blocks - request.resumed_blocks
+            request.pages = [self.pool.take() for _ in range(request.prefix_pages)]
+            request.row = self.rows.acquire(request.prompt_ids, request.pages, request.params.resume_ids)
             request.phase = Phase.PREFILL
             self.running.append(request)
 
@@ -180,20 +183,18 @@ class Scheduler:
 
         for request in self.running:
             if request.phase is Phase.PREFILL:
-                chunk = self._prefill_chunk(request, budget)
-                if chunk == 0 and request.prompt_done < len(request.prompt_ids):
-                    continue
-                budget -= chunk
-                first_page = request.prompt_done // size
-                request.prompt_done += chunk
-                last_page = -(-request.prompt_done // size)
-                for page_index in range(first_page, last_page):
-                    add_unit(request, page_index, min(size, request.prompt_done - page_index * size), False)
-                if request.prompt_done == len(request.prompt_ids) and budget >= size:
+                first = request.prefilled_pages
+                last = self._prefill_end(request, budget)
+                for page_index in range(first, last):
+                    count = request.page_tokens(page_index)
+                    budget -= count
+                    add_unit(request, page_index, count, False)
+                request.prefilled_pages = last
+                if last == request.prefix_pages and budget >= size:
                     budget -= size
                     self._start_block(request)  # prefill fused with the first block
                 else:
-                    if chunk:
+                    if last > first:
                         self.scheduled.append(request)
                     continue
             idle = request.phase is not Phase.DENOISE
@@ -218,9 +219,11 @@ class Scheduler:
             block_steps=as_tensor(block_steps),
         )
 
-    def _prefill_chunk(self, request: Request, budget: int) -> int:
-        """Prompt tokens to prefill this step: the rest if it fits, else whole pages."""
-        remaining = len(request.prompt_ids) - request.prompt_done
-        if remaining <= budget:
-            return remaining
-        return max(0, budget // self.block_length * self.block_length)
+    @staticmethod
+    def _prefill_end(request: Request, budget: int) -> int:
+        """The page index the prefill reaches this step: whole pages, as many as fit ``budget``."""
+        end = request.prefilled_pages
+        while end < request.prefix_pages and request.page_tokens(end) <= budget:
+            budget -= request.page_tokens(end)
+            end += 1
+        return end

@@ -34,6 +34,7 @@ class EngineTotals:
     requests_finished: int = 0
     requests_aborted: int = 0
     requests_failed: int = 0
+    requests_timed_out: int = 0
 
     def record(self, stats: StepStats) -> None:
         self.steps += 1

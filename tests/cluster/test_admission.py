@@ -1,56 +1,190 @@
-"""Step-aware admission: cost, capacity, Retry-After, release."""
+"""Step-aware admission: cost, predicted completion, Retry-After, derived SLO, several
+ingresses, release."""
 
 import gc
+import math
+
+import pytest
 
 from cluster.admission import AdmissionController, Charge
-from cluster.config import AdmissionSettings
+from cluster.config import SLO_FALLBACK_S, SLO_MULTIPLE, AdmissionSettings
+from replicas.cost_model import DrainModel
+
+# the tiny model on this machine, roughly: 7 ms per step plus 2 ms per row, 16 rows
+C0, C1, MAX_BATCH = 0.007, 0.002, 16
+FULL_RATE = MAX_BATCH / (C0 + C1 * MAX_BATCH)
 
 
-def controller(**settings):
-    return AdmissionController(AdmissionSettings(**settings), slo_latency_s=10.0, min_replicas=2)
+def controller(slo_latency_s=10.0, min_replicas=2, clock=None, **settings):
+    extra = {} if clock is None else {"clock": clock}
+    return AdmissionController(AdmissionSettings(**settings), slo_latency_s, min_replicas, **extra)
 
 
-def test_capacity_from_configured_debt_bound():
-    adm = controller(max_step_debt_per_replica=1000)
-    assert adm.capacity() == 2000
+def replica(debt=0.0, live=0, measured_rows=MAX_BATCH, stats_time=100.0, age_s=0.1, **extra):
+    """One replica's routing stats as the metrics actor hands them to the ingress."""
+    model = DrainModel(C0, C1, MAX_BATCH, measured_rows)
+    return {"step_debt": debt, "live_requests": live, "stats_time": stats_time, "age_s": age_s,
+            **model.as_stats(), "drain_row_steps_per_s": model.rate(), **extra}
+
+
+def test_fixed_debt_bound_before_any_report():
+    adm = controller(max_step_debt_per_replica=1000)  # 2 replicas expected, none reported: 2000
     assert adm.try_admit(1500).admitted
     assert adm.try_admit(500).admitted
+    assert adm.work_ahead() == 2000
     refused = adm.try_admit(100)
     assert not refused.admitted
-    # 100 row-steps over capacity at 2 x 500 row-steps/s -> at least 1 s
+    # 100 row-steps over the bound at 2 x 500 row-steps/s (the prior) -> at least 1 s
     assert refused.retry_after_s == 1
     adm.release(600)
     assert adm.try_admit(100).admitted
 
 
-def test_capacity_from_measured_rates_and_slo():
-    adm = controller()
-    adm.update_view({"a": {"row_steps_per_s": 300.0, "age_s": 0.1},
-                     "b": {"row_steps_per_s": 100.0, "age_s": 0.2},
-                     "stale": {"row_steps_per_s": 1e6, "age_s": 60.0}})
-    assert adm.capacity() == 400.0 * 10.0
-    assert adm.try_admit(3000).admitted
-    refused = adm.try_admit(3000)
-    assert not refused.admitted and refused.retry_after_s == 5  # 2000 excess / 400 per s
+def test_light_load_admits_what_the_old_rule_refused():
+    """12 requests in flight (the issue's closed loop): the old rule charged the worst case
+    (8 blocks x 16 steps) and allowed the rate measured at the current batch x SLO; the
+    prediction charges measured steps and drains at the batch the queue runs at."""
+    adm = controller(slo_latency_s=5.0, min_replicas=1)
+    mean_cost = 8 * 2.3
+    adm.update_view({"a": replica(debt=12 * mean_cost, live=12, steps_per_block={"2": 70, "3": 30})})
+    cost = adm.cost(max_tokens=128, block_length=16, worst_case_steps_per_block=16)
+    assert cost == 19  # 8 blocks x the mean measured 2.3 steps, rounded up; not the worst case of 16
+    rate_at_one_row = 1 / (C0 + C1)  # what a replica measured between two light-load arrivals
+    old_outstanding = 12 * 8 * 16
+    assert old_outstanding > rate_at_one_row * 5.0  # the old rule refused here
+    rate = 13 / (C0 + C1 * 13)
+    expected = (12 * mean_cost + cost) / rate + cost * (C0 + C1 * 13)
+    assert adm.predicted_s(cost) == pytest.approx(expected) and expected < 5.0
+    assert adm.try_admit(cost).admitted
+
+
+@pytest.mark.parametrize("debt", [0.0, 500.0, 1000.0, 1500.0, 1900.0, 2000.0, 2100.0, 3000.0, 10_000.0])
+def test_admits_exactly_while_the_prediction_meets_the_slo(debt):
+    adm = controller(slo_latency_s=5.0, min_replicas=1)
+    adm.update_view({"a": replica(debt=debt, live=40)})
+    predicted = (debt + 20) / FULL_RATE + 20 * (C0 + C1 * MAX_BATCH)
+    assert adm.predicted_s(20) == pytest.approx(predicted)
+    assert adm.try_admit(20).admitted == (debt == 0 or predicted <= 5.0)
+
+
+def test_refusal_when_the_queue_ahead_exceeds_the_slo_and_retry_after_is_the_excess():
+    adm = controller(slo_latency_s=5.0, min_replicas=1)
+    adm.update_view({"a": replica(debt=5000, live=200)})
+    predicted = 5020 / FULL_RATE + 20 * (C0 + C1 * MAX_BATCH)
+    refused = adm.try_admit(20)
+    assert not refused.admitted and refused.retry_after_s == math.ceil(predicted - 5.0)
+    assert adm.quick_refusal() is not None  # even one block is refused, and nothing is charged
+    assert adm.outstanding == 0
+    # after Retry-After seconds at the full-batch rate, the same request is admitted
+    drained = 5000 - FULL_RATE * refused.retry_after_s
+    adm.update_view({"a": replica(debt=drained, live=200, stats_time=100.0 + refused.retry_after_s)})
+    assert adm.quick_refusal() is None and adm.try_admit(20).admitted
+
+
+def test_rate_is_never_extrapolated_past_the_largest_measured_batch():
+    """A light-load fit (one row per step) cannot see c1: 16 rows would look 16x faster."""
+    adm = controller(slo_latency_s=5.0, min_replicas=1)
+    adm.update_view({"a": replica(debt=600, live=16, measured_rows=1)})
+    one_row = 1 / (C0 + C1)
+    assert adm.predicted_s(20) == pytest.approx(620 * (1 / one_row) + 20 * (C0 + C1 * MAX_BATCH))
+
+
+def test_two_replicas_drain_together_and_stale_reports_are_ignored():
+    adm = controller(slo_latency_s=5.0)
+    adm.update_view({"a": replica(debt=2000, live=20), "b": replica(debt=1000, live=20),
+                     "stale": replica(debt=1e9, live=1000, age_s=60.0)})
+    assert set(adm.view) == {"a", "b"} and adm.work_ahead() == 3000
+    assert adm.predicted_s(20) == pytest.approx(3020 / (2 * FULL_RATE) + 20 * (C0 + C1 * MAX_BATCH))
+
+
+def test_unmeasured_replica_drains_at_the_prior():
+    adm = controller(slo_latency_s=5.0, min_replicas=1, initial_row_steps_per_s=200.0)
+    adm.update_view({"a": {"step_debt": 100.0, "live_requests": 2, "stats_time": 1.0, "age_s": 0.0}})
+    assert adm.predicted_s(10) == pytest.approx(110 / 200 + 10 / 200)
 
 
 def test_idle_cluster_admits_even_an_oversized_request():
     adm = controller(max_step_debt_per_replica=10)
     assert adm.try_admit(10_000).admitted
     assert not adm.try_admit(1).admitted
+    predicted = controller(slo_latency_s=1.0)
+    assert predicted.try_admit(10_000).admitted
+    assert not predicted.try_admit(1).admitted
 
 
-def test_cost_uses_quantile_of_measured_steps():
+def test_cost_uses_mean_or_quantile_of_measured_steps():
     adm = controller(cost_quantile=0.9)
     assert adm.cost(max_tokens=64, block_length=16, worst_case_steps_per_block=17) == 68  # nothing measured yet
     adm.update_view({"a": {"steps_per_block": {"2": 80, "5": 15, "9": 5}, "age_s": 0}})
     assert adm.cost(max_tokens=64, block_length=16, worst_case_steps_per_block=17) == 20  # p90 = 5 steps
     assert adm.cost(max_tokens=49, block_length=16, worst_case_steps_per_block=3) == 12  # 4 blocks, capped at 3
+    mean = controller()
+    mean.update_view({"a": {"steps_per_block": {"2": 80, "5": 15, "9": 5}, "age_s": 0}})
+    assert mean.cost(max_tokens=64, block_length=16, worst_case_steps_per_block=17) == 12  # 4 x 2.8, rounded up
+
+
+def test_derived_default_slo():
+    adm = controller(slo_latency_s=None)
+    assert adm.slo_latency_s == SLO_FALLBACK_S  # no replica has measured yet
+    adm.update_view({"a": replica(longest_request_s=2.5), "b": replica(longest_request_s=3.0), "c": replica()})
+    assert adm.slo_latency_s == SLO_MULTIPLE * 3.0
+    explicit = controller(slo_latency_s=5.0)
+    explicit.update_view({"a": replica(longest_request_s=30.0)})
+    assert explicit.slo_latency_s == 5.0
+
+
+def test_own_admissions_count_until_a_report_includes_them():
+    now = [100.0]
+    adm = controller(slo_latency_s=5.0, min_replicas=1, clock=lambda: now[0])
+    adm.update_view({"a": replica(debt=100, live=5, stats_time=100.0)})
+    now[0] = 100.2
+    assert adm.try_admit(20).admitted
+    assert adm.work_ahead() == 120  # reported + admitted since the report
+    adm.update_view({"a": replica(debt=120, live=6, stats_time=100.5)})
+    assert adm.work_ahead() == 120  # the report counts it now: not twice
+
+
+def test_two_ingresses_fill_the_headroom_once_between_two_reports():
+    """Two controllers share one replica view. Between two reports each counts its own
+    admissions twice (as if the other had admitted as much), so together they fill the
+    headroom once; the next report counts both, and neither admits again until the
+    replica drains."""
+    now = [100.0]
+    clock = lambda: now[0]  # noqa: E731
+    view = {"a": replica(debt=1000, live=50, stats_time=100.0)}
+    ingresses = [controller(slo_latency_s=5.0, min_replicas=1, clock=clock) for _ in range(2)]
+    for adm in ingresses:
+        adm.update_view(view)
+        adm.ingress_replicas = 2
+
+    def fill(adm) -> int:
+        admitted = 0
+        while adm.try_admit(20).admitted:
+            admitted += 1
+            now[0] += 0.001
+        return admitted
+
+    alone = (5.0 - 20 * (C0 + C1 * MAX_BATCH)) * FULL_RATE - 1000  # headroom in row-steps
+    first, second = fill(ingresses[0]), fill(ingresses[1])
+    assert first == second == math.floor((alone + 20) / 40)  # 1000 + 2 x own admissions + 20 within the SLO
+    capacity_bound = 1000 + alone  # what one ingress alone keeps within the SLO
+    over = 1000 + 20 * (first + second) - capacity_bound
+    assert over <= 20  # together at most one request beyond what one ingress alone admits
+    # the next report counts everything admitted: both refuse, nothing counted twice
+    now[0] += 0.5
+    view = {"a": replica(debt=1000 + 20 * (first + second), live=50 + first + second, stats_time=now[0])}
+    for adm in ingresses:
+        adm.update_view(view)
+        assert adm.work_ahead() == view["a"]["step_debt"]
+        assert not adm.try_admit(20).admitted
 
 
 def test_disabled_admission_admits_everything():
     adm = controller(enabled=False, max_step_debt_per_replica=1)
     assert all(adm.try_admit(100).admitted for _ in range(10))
+    adm = controller(enabled=False, slo_latency_s=0.001)
+    adm.update_view({"a": replica(debt=1e6)})
+    assert all(adm.try_admit(100).admitted for _ in range(10)) and adm.quick_refusal() is None
 
 
 def test_charge_releases_progressively_and_once():

@@ -5,6 +5,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingContext
 
 from cluster.autoscaling import StepDebtPolicy, desired_replicas
+from cluster.config import SLO_FALLBACK_S, SLO_MULTIPLE
 
 
 def context(debts, rates, current=1, min_replicas=1, max_replicas=4):
@@ -48,3 +49,21 @@ def test_keeps_current_without_measurements():
 ])
 def test_desired_replicas_bounds(debts, rates, current, low, high, expected):
     assert desired_replicas(debts, rates, current, 4.0, low, high) == expected
+
+
+def test_drains_at_the_full_batch_rate_where_replicas_report_it():
+    # measured at a light batch: 100 row-steps/s; at full batch: 400 -> 1600 / (400 * 4 s) = 1
+    ctx = context([1600], [100], current=1)
+    ctx.aggregated_metrics["drain_row_steps_per_s"] = {r: 400.0 for r in ctx.aggregated_metrics["step_debt"]}
+    desired, _ = StepDebtPolicy(target_drain_s=4.0)(ctx)
+    assert desired == 1
+
+
+def test_target_derived_from_the_slo_the_replicas_measure():
+    ctx = context([4000, 4000], [500, 500], current=2, max_replicas=8)
+    ctx.aggregated_metrics["longest_request_s"] = {r: 4.0 for r in ctx.aggregated_metrics["step_debt"]}
+    desired, state = StepDebtPolicy(target_drain_s=None)(ctx)
+    assert state["target_drain_s"] == SLO_MULTIPLE * 4.0 / 2 == 4.0
+    assert desired == 4  # 8000 / (500 * 4 s)
+    _, state = StepDebtPolicy(target_drain_s=None)(context([0], [500]))
+    assert state["target_drain_s"] == SLO_FALLBACK_S / 2  # nothing measured yet

@@ -18,10 +18,16 @@ def test_defaults_are_valid():
 def test_yaml_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("replica:\n  max_batch: 8\nslo:\n  latency_s: 5\nautoscaling:\n  max_replicas: 3\n")
-    config = load_config(path, {"replica.max_batch": 4, "api_key": "k"})
+    config = load_config(path, {"replica.max_batch": 4, "api_key_file": "/keys"})
     assert config.replica.max_batch == 4 and config.slo.latency_s == 5
     assert config.autoscaling.max_replicas == 3 and config.target_drain_s == 2.5
-    assert config.api_key.get_secret_value() == "k"
+    assert config.api_key_file == "/keys"
+
+
+def test_a_key_in_the_config_is_refused_without_echoing_it():
+    with pytest.raises(ConfigError, match="api_key is not a setting") as refused:
+        load_config(overrides={"api_key": "sk-secret-value"})
+    assert "sk-secret-value" not in str(refused.value)
 
 
 @pytest.mark.parametrize("content,overrides,message", [
@@ -78,6 +84,6 @@ def test_up_help_documents_every_setting():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
     for key in ("replica.max_batch", "admission.cost_quantile", "slo.latency_s", "autoscaling.max_replicas",
-                "metrics_port", "api_key"):
+                "metrics_port", "api_key_file", "DLLM_API_KEYS"):
         assert key in result.stdout
     assert AppConfig.model_fields  # the epilog is generated from these

@@ -28,8 +28,8 @@ def test_report_becomes_series():
     monitor.request_finished("b", "stop", latency_s=0.5, time_to_first_block_s=0.1, output_tokens=16)
     exporter = MetricsExporter()
     exporter.push_replica("r1", monitor.report())
-    exporter.record_admission(True)
-    exporter.record_admission(False, "step_capacity")
+    exporter.push_ingress("i1", {"admitted": 1, "rejected": {"step_capacity": 1}, "failovers": 0, "outstanding": 5.0,
+                                  "cpu_s": 0.5})
     text = generate_latest(exporter.registry).decode()
     assert sample(text, "dllm_steps_total", 'replica="r1"') == 3
     assert sample(text, "dllm_step_debt", 'replica="r1"') == 30  # 50 - 20; b has ended

@@ -143,7 +143,7 @@ def test_replica_streams_chunks_and_refuses_with_the_shared_message(replica):
     spec = replica.engine.spec
     ok = asyncio.run(_chunks(replica, GenerateRequest("ok", replica.engine.encode("1.3. ..2."), 32)))
     assert all(isinstance(c, GenerateChunk) for c in ok) and ok[-1].finished and ok[-1].error is None
-    assert ok[-1].completion_tokens == sum(c.num_new_tokens for c in ok) and ok[-1].replica == "local"
+    assert ok[-1].completion_tokens == sum(len(c.token_ids) for c in ok) and ok[-1].replica == "local"
     bad = asyncio.run(_chunks(replica, GenerateRequest("bad", [1, spec.mask_token_id], 16)))
     expected = request_problem([1, spec.mask_token_id], 16, spec, replica.engine.max_model_len).message
     assert bad == [GenerateChunk.refusal(expected)]
@@ -187,6 +187,8 @@ def test_ingress_builds_the_request_the_replica_takes(ingress, replica):
     request = ingress._prepare(body, body.prompt)
     assert isinstance(request, GenerateRequest) and request.stop == ("x",)
     assert ingress._prepare(CompletionRequest(model="tiny", prompt="1.3."), "1.3.").stop == ()
+    seed = request.algorithm_params.pop("seed")  # drawn for the request, so that a failover draws the same
+    assert isinstance(seed, int) and 0 <= seed < 2 ** 63
     assert (request.algorithm, request.algorithm_params) == resolve_algorithm(
         ingress.config.replica, ingress.spec, None, {"threshold": 0.5})
     assert request.cost == replica.worst_case_cost(SamplingParams(

@@ -1,13 +1,7 @@
-"""A real `dllm-serve up` scraped by a real Prometheus (Debian's package), under load.
+"""A real `dllm-serve up` scraped by a real Prometheus (Debian's package), under load."""
 
-tests/cluster/conftest.py is loaded from its path under a unique module name, as
-tests/loadgen does: every folder's conftest module is otherwise the same `conftest`.
-"""
-
-import importlib.util
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,10 +9,7 @@ import yaml
 
 from observability import RULES, binary
 
-_spec = importlib.util.spec_from_file_location(
-    "deploy_cluster_helpers", Path(__file__).resolve().parents[1] / "cluster" / "conftest.py")
-cluster_helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cluster_helpers)
+import live_up as cluster_helpers
 
 
 def _prometheus_config(dllm_target: str, ray_target: str) -> dict:

@@ -11,34 +11,47 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import load_config
-from cluster.render import render_k8s
+from cluster.render import RenderOptions, render_k8s
 from kuberay_schema import SHARED_CRDS, crd_errors, crd_text
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {"cpu": "deploy/config.cpu.yaml", "gpu": "deploy/config.gpu.yaml"}
+# the GPU example shows the API key from a Secret; the CPU one (kind, minikube) runs without a key
+EXAMPLE_OPTIONS = {"cpu": RenderOptions(), "gpu": RenderOptions(api_key_secret="dllm-api-keys")}
+KINDS = ["RayService", "Service", "Service", "NetworkPolicy"]
+
+
+def documents_of(text: str) -> list[dict]:
+    documents = list(yaml.safe_load_all(text))
+    assert [d["kind"] for d in documents] in (KINDS, KINDS[:-1])
+    return documents
 
 
 def rayservice_of(text: str) -> dict:
-    documents = list(yaml.safe_load_all(text))
-    assert [d["kind"] for d in documents] == ["RayService", "Service", "Service"]
-    return documents[0]
+    return documents_of(text)[0]
 
 
-def fresh(variant: str, **overrides) -> str:
-    return render_k8s(load_config(ROOT / EXAMPLES[variant], overrides), EXAMPLES[variant])
+def fresh(variant: str, options: RenderOptions | None = None, **overrides) -> str:
+    options = EXAMPLE_OPTIONS[variant] if options is None else options
+    return render_k8s(load_config(ROOT / EXAMPLES[variant], overrides), EXAMPLES[variant], options)
+
+
+def render_command(variant: str) -> list[str]:
+    return ["render", "k8s", "--config", EXAMPLES[variant], *EXAMPLE_OPTIONS[variant].flags().split()]
 
 
 @pytest.mark.parametrize("variant", EXAMPLES)
 def test_committed_example_is_a_fresh_render(variant):
     assert (ROOT / f"deploy/rayservice.{variant}.yaml").read_text() == fresh(variant), (
-        f"re-render: dllm-serve render k8s --config {EXAMPLES[variant]} -o deploy/rayservice.{variant}.yaml")
+        f"re-render: dllm-serve {' '.join(render_command(variant))} -o deploy/rayservice.{variant}.yaml")
 
 
-def test_render_cli_writes_the_committed_example(tmp_path):
+@pytest.mark.parametrize("variant", EXAMPLES)
+def test_render_cli_writes_the_committed_example(variant, tmp_path):
     out = tmp_path / "rs.yaml"
-    subprocess.run([sys.executable, "-m", "cluster.cli", "render", "k8s", "--config", EXAMPLES["cpu"], "-o", str(out)],
+    subprocess.run([sys.executable, "-m", "cluster.cli", *render_command(variant), "-o", str(out)],
                    cwd=ROOT, check=True, timeout=120)
-    assert out.read_text() == (ROOT / "deploy/rayservice.cpu.yaml").read_text()
+    assert out.read_text() == (ROOT / f"deploy/rayservice.{variant}.yaml").read_text()
 
 
 MANIFESTS = {
@@ -47,6 +60,9 @@ MANIFESTS = {
     "fresh fixed replicas, namespace": lambda: fresh("gpu", **{
         "autoscaling.max_replicas": 1, "kubernetes.namespace": "serving", "ray_metrics_port": 9090}),
     "fresh cpu, fill timeout": lambda: fresh("cpu", **{"replica.mode": "fixed_fill", "replica.fill_timeout_s": 0.05}),
+    "fresh cpu, API key Secret with its own key": lambda: fresh(
+        "cpu", RenderOptions(api_key_secret="serving.keys", api_key_secret_key="dllm_keys")),
+    "fresh gpu, no NetworkPolicy": lambda: fresh("gpu", RenderOptions(network_policy=False)),
 }
 
 
@@ -92,9 +108,13 @@ def test_serve_config_builds_the_app_up_runs(monkeypatch):
 
 @pytest.mark.parametrize("args, message", [
     (["--config", "/nonexistent.yaml"], "cannot read config file"),
-    (["--config", EXAMPLES["cpu"], "--set", "api_key=secret"], "clear text"),
+    (["--config", EXAMPLES["cpu"], "--set", "api_key=secret"], "not a setting"),
     (["--config", EXAMPLES["gpu"], "--set", "kubernetes.worker_gpus=0"], "worker_gpus"),
     (["--config", EXAMPLES["cpu"], "--set", "replica.num_cpus=8"], "cannot hold"),
+    (["--config", EXAMPLES["cpu"], "--set", "api_key=secret", "--api-key-secret", "keys"], "not a setting"),
+    (["--config", EXAMPLES["cpu"], "--api-key-secret", "API_Keys"], "not a Secret name"),
+    (["--config", EXAMPLES["cpu"], "--api-key-secret", "keys", "--api-key-secret-key", "a/b"], "not a Secret key"),
+    (["--config", EXAMPLES["cpu"], "--api-key-secret-key", "api-key"], "needs --api-key-secret"),
 ])
 def test_render_refuses_bad_input(args, message, capsys):
     from cluster.cli import main

@@ -1,18 +1,9 @@
-"""A real `dllm-serve up` for the loadgen integration test, started with the cluster tests' helpers.
+"""A real `dllm-serve up` for the loadgen integration test (tests/live_up.py)."""
 
-tests/cluster/conftest.py is loaded from its path under a unique module name: both
-folders' conftest modules would otherwise be the same module, `conftest`.
-"""
-
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "cluster_test_helpers", Path(__file__).resolve().parents[1] / "cluster" / "conftest.py")
-cluster_helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cluster_helpers)
+import live_up as cluster_helpers
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1-replica", "2-replicas"])

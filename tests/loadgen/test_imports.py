@@ -7,7 +7,8 @@ import sys
 import pytest
 
 LOAD_GENERATOR = ["loadgen.cli", "loadgen.client", "loadgen.runner", "loadgen.arrivals", "loadgen.stats",
-                  "loadgen.report", "loadgen.records", "loadgen.plot"]
+                  "loadgen.report", "loadgen.records", "loadgen.plot",
+                  "loadgen.overload"]
 CAPACITY = ["loadgen.capacity.simulator", "loadgen.capacity.calibration", "loadgen.capacity.step_cost",
             "loadgen.capacity.live_calibration", "loadgen.capacity.calibration_bench", "loadgen.capacity.cli"]
 

@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from replicas.cost_model import RATE_WINDOW_S, OnlineCostModel
+from replicas.cost_model import RATE_WINDOW_S, DrainModel, OnlineCostModel, mean_steps
+from replicas.monitor import ReplicaMonitor
 
 
 def test_step_cost_is_fitted_by_least_squares():
@@ -47,3 +48,40 @@ def test_fdfo_hold_only_with_expected_arrivals():
         model.observe_arrival(now - i * 0.005)
     assert model.fdfo_hold(4) > 0.0
     assert model.fdfo_hold(16) == 0.0  # a full batch never waits
+
+
+def test_drain_model_rates_grow_with_the_batch_up_to_what_was_measured():
+    model = OnlineCostModel(max_batch=16)
+    assert model.drain_model() is None and model.request_alone_s(4) is None
+    for rows in (1, 2, 4, 8) * 3:
+        model.observe_step(rows, 0.002 + 0.0005 * rows, (2, 3))
+    drain = model.drain_model()
+    assert drain.measured_rows == 8 and drain.max_batch == 16
+    assert drain.rate(1) == pytest.approx(1 / 0.0025)
+    assert drain.rate() == drain.rate(8) == pytest.approx(8 / 0.006)  # never extrapolated past 8 rows
+    assert DrainModel.from_stats(drain.as_stats()) == drain and DrainModel.from_stats({}) is None
+    # the longest request alone: blocks x mean steps per block x a full batch's step
+    assert model.request_alone_s(10) == pytest.approx(10 * 2.5 * (0.002 + 0.0005 * 16))
+
+
+def test_mean_steps():
+    assert mean_steps({}) is None
+    assert mean_steps({2: 3, 4: 1}) == 2.5
+
+
+def test_monitor_reports_the_drain_model_and_longest_request():
+    model = OnlineCostModel(max_batch=16)
+    monitor = ReplicaMonitor(500.0, cost_model=model, longest_blocks=31)
+    stats = monitor.routing_stats()
+    assert stats["drain_row_steps_per_s"] == 500.0 and "c0" not in stats and "longest_request_s" not in stats
+    for rows in (4, 16) * 4:
+        model.observe_step(rows, 0.007 + 0.002 * rows, (2,))
+    monitor.request_started("r", cost=390.0)
+    stats = monitor.routing_stats()
+    assert stats["drain_row_steps_per_s"] == pytest.approx(16 / 0.039)
+    assert stats["predicted_drain_s"] == pytest.approx(390 / stats["drain_row_steps_per_s"])
+    assert stats["longest_request_s"] == pytest.approx(31 * 2 * 0.039)
+    assert DrainModel.from_stats(stats) == model.drain_model()
+    scaling = monitor.autoscaling_stats()
+    assert scaling["drain_row_steps_per_s"] == stats["drain_row_steps_per_s"]
+    assert scaling["longest_request_s"] == stats["longest_request_s"]

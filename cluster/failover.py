@@ -1,0 +1,132 @@
+"""Resuming a request on another replica when its replica fails.
+
+A committed dLLM block never changes. The ingress keeps the token ids of every block a
+replica streamed; when the replica fails (Ray reports the actor dead or unavailable, the
+stream breaks, or the replica reports a fault of its own), the same request goes out
+again with those ids as ``resume_ids``. The next replica prefills prompt + committed
+blocks and denoises on from the next block with the same per-block seeds, so the client
+sees one stream, and a seeded or greedy request the same text a fault-free run gives.
+A request that had not started is simply routed again. Attempts are bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+
+from ray.exceptions import RayError, TaskCancelledError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
+from cluster.router import avoid
+from replicas.limits import blocks_needed
+from replicas.messages import GenerateChunk, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+# what a failed replica looks like to the caller; our own cancellation is not one of them
+_REPLICA_FAILURES = (RayError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
+AVOID_FAILED_REPLICA_S = 10.0  # how long this process's router ranks a replica that failed a request last
+
+
+class ReplicaFailed(Exception):
+    """The request failed on ``attempts`` replicas in a row; the message says how."""
+
+    def __init__(self, reason: str, attempts: int):
+        super().__init__(f"the request failed on {attempts} replica attempt(s); last: {reason}")
+        self.attempts = attempts
+
+
+class RequestTimedOut(Exception):
+    """The request's deadline passed between two attempts."""
+
+
+class Failover:
+    """Streams one request's chunks from the replicas behind ``generate``, resuming after failures.
+
+    ``generate(job)`` returns the replica stream of a ``GenerateRequest``;
+    ``on_failover()`` is called once per resumed attempt (for ``dllm_failovers_total``).
+    """
+
+    def __init__(self, generate: Callable[[GenerateRequest], AsyncIterator[GenerateChunk]],
+                 max_attempts: int, backoff_s: float, block_length: int,
+                 on_failover: Callable[[], None] = lambda: None):
+        self.generate = generate
+        self.max_attempts = max_attempts
+        self.backoff_s = backoff_s
+        self.block_length = block_length
+        self.on_failover = on_failover
+
+    async def stream(self, job: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """The request's chunks, as if one replica had served it: ``steps`` and
+        ``block_steps`` count over all attempts. Raises ``ReplicaFailed`` or ``RequestTimedOut``."""
+        start = time.monotonic()
+        committed: list[int] = []
+        steps_before, block_steps_before = 0, []
+        attempt = 1
+        while True:
+            steps, block_steps, failure, replica = 0, [], None, None
+            stream = self.generate(job if attempt == 1 else self._resumed(job, committed, time.monotonic() - start, attempt))
+            try:
+                async for chunk in stream:
+                    replica = chunk.replica or replica
+                    if chunk.error_kind == "replica_fault":
+                        failure = chunk.error
+                        break
+                    steps, block_steps = chunk.steps, chunk.block_steps
+                    committed.extend(chunk.token_ids)
+                    yield dataclasses.replace(chunk, steps=steps_before + steps,
+                                              block_steps=block_steps_before + block_steps)
+                    if chunk.finished:
+                        return
+                else:
+                    failure = "the replica's stream ended before the request finished"
+            except TaskCancelledError:
+                raise  # our own cancellation (the client left): nothing to resume
+            except _REPLICA_FAILURES as exc:
+                failure = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            finally:
+                await _close(stream)
+            if replica:
+                avoid(replica, AVOID_FAILED_REPLICA_S)
+            if attempt >= self.max_attempts:
+                raise ReplicaFailed(failure, attempt)
+            log.warning("request %s: replica attempt %d failed (%s); resuming after %d committed tokens",
+                        job.request_id, attempt, failure, len(committed))
+            steps_before += steps
+            block_steps_before = block_steps_before + block_steps
+            await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            attempt += 1
+            self.on_failover()
+
+    def _resumed(self, job: GenerateRequest, committed: list[int], elapsed_s: float, attempt: int) -> GenerateRequest:
+        """The job for a later attempt: resumed after ``committed``, with what is left of
+        its deadline and of its cost, under an id of its own (the replica may still hold
+        the broken attempt)."""
+        timeout = job.timeout_s
+        if timeout is not None:
+            timeout -= elapsed_s
+            if timeout <= 0:
+                raise RequestTimedOut(f"the request ran past its deadline of {job.timeout_s:g} s")
+        cost = job.cost
+        if cost is not None and committed:
+            total = blocks_needed(job.max_tokens, self.block_length)
+            cost = math.ceil(cost * (total - len(committed) // self.block_length) / total)
+        return dataclasses.replace(job, request_id=f"{job.request_id}.{attempt}", resume_ids=tuple(committed),
+                                   timeout_s=timeout, cost=cost)
+
+
+async def _close(stream) -> None:
+    """Close an async generator we stopped reading; a Serve response stream is cancelled."""
+    close = getattr(stream, "aclose", None) or getattr(stream, "cancel", None)
+    if close is None:
+        return
+    try:
+        result = close()
+        if asyncio.iscoroutine(result):
+            await result
+    except Exception as exc:  # closing a dead replica's stream may raise again
+        log.debug("closing a replica stream: %s", exc)

@@ -1,0 +1,318 @@
+"""`dllm-serve bench overload`: does a cluster hold its goodput when more arrives than it serves?
+
+First the capacity: a closed loop of --clients concurrent clients for --capacity-duration
+seconds, each sending its next request as soon as its last one ends; its completed requests
+per second are the capacity. Then open-loop Poisson arrivals at each multiple of it in
+--loads (1x, 2x, 3x), --duration seconds each. Per phase: goodput (completed requests within
+the latency SLO per second) and its ratio to the capacity, refusals (429) and how fast they
+came back, admitted latency, the request path's overhead (client latency minus the engine
+time the server reports as dllm.engine_s), and the control plane's CPU time per request
+sent: the ingress replicas, the Serve proxy and the metrics actor, read from
+/proc/<pid>/stat of the Ray workers titled ray::ServeReplica...Ingress, ray::ProxyActor and
+ray::MetricsActor that the same raylet started as the process listening on the URL's port
+(so other local clusters do not count), before and after each phase (n/a for a remote URL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Awaitable
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from loadgen import client
+from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
+from loadgen.cli import positive_number, rate_list
+from loadgen.records import OK, REFUSED, LoadgenError, Record
+from loadgen.report import format_table, number
+from loadgen.runner import Progress, run_closed_loop, run_open_loop
+from loadgen.stats import percentile, summarize
+from replicas.tiny.task import MAX_TOKENS as TINY_MAX_TOKENS
+
+# role -> what the command line of its processes contains (Ray titles a worker "ray::<class>[.<method>]")
+CONTROL_PLANE = {
+    "ingress": ("ray::ServeReplica", "Ingress"),
+    "proxy": ("ray::ProxyActor",),
+    "metrics": ("ray::MetricsActor",),
+}
+LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}
+HEALTH_PATH = "/health"  # dllm-serve's ingress says its slo_latency_s there
+DEFAULT_SLO_S = 5.0
+PROMPTS = 1000  # distinct tiny-task prompts, cycled
+
+
+@dataclass(frozen=True)
+class OverloadPlan:
+    clients: int = 12  # closed-loop clients of the capacity phase
+    capacity_s: float = 15.0
+    loads: tuple[float, ...] = (1.0, 2.0, 3.0)  # multiples of the capacity
+    duration_s: float = 20.0  # of Poisson arrivals per load
+    slo_latency_s: float | None = None  # None: the server's, else DEFAULT_SLO_S
+    seed: int = 0
+    prompt: str | None = None  # None: tiny-task prompts
+
+
+# ---- control-plane CPU from /proc ----------------------------------------------------------
+def parse_stat(stat: str, ticks_per_s: float) -> tuple[int, float]:
+    """(parent pid, utime + stime in seconds) of a ``/proc/<pid>/stat`` line: fields 4, 14
+    and 15, counted after the command name's closing parenthesis (the name may hold spaces
+    and parentheses)."""
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks_per_s
+
+
+def _pids(proc: Path) -> list[Path]:
+    return [entry for entry in proc.iterdir() if entry.name.isdigit()]
+
+
+def _listening_sockets(port: int, proc: Path) -> set[str]:
+    """``socket:[inode]`` of the TCP sockets listening on ``port`` (state 0A in /proc/net/tcp*)."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (proc / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for fields in map(str.split, lines):
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.add(f"socket:[{fields[9]}]")
+    return found
+
+
+def serving_raylet(port: int, proc: Path = Path("/proc")) -> int | None:
+    """The parent (the Ray raylet) of the process listening on ``port`` (Serve's proxy):
+    the control-plane processes of that cluster are its children, those of other local
+    clusters are not. None when no process here listens on ``port``."""
+    sockets = _listening_sockets(port, proc)
+    for entry in _pids(proc) if sockets else ():
+        try:
+            if any(os.readlink(fd) in sockets for fd in (entry / "fd").iterdir()):
+                return parse_stat((entry / "stat").read_text(), 1)[0]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return None
+
+
+def control_plane_cpu(raylet: int, proc: Path = Path("/proc"),
+                      ticks_per_s: float | None = None) -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds so far) of the control-plane processes the raylet ``raylet`` started."""
+    ticks = ticks_per_s or os.sysconf("SC_CLK_TCK")
+    found = {}
+    for entry in _pids(proc):
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            role = next((r for r, words in CONTROL_PLANE.items() if all(w in cmdline for w in words)), None)
+            if role is not None:
+                parent, seconds = parse_stat((entry / "stat").read_text(), ticks)
+                if parent == raylet:
+                    found[int(entry.name)] = (role, seconds)
+        except OSError:  # the process ended meanwhile
+            continue
+    return found
+
+
+def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per role between two snapshots; a process that started in between counts
+    from zero, one that ended is missing from ``after`` and not counted."""
+    spent = dict.fromkeys(CONTROL_PLANE, 0.0)
+    for pid, (role, seconds) in after.items():
+        spent[role] += seconds - before.get(pid, (role, 0.0))[1]
+    return spent
+
+
+def local_port(url: str) -> int | None:
+    """The port of ``url`` when its host is this machine, else None."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if host in LOCAL_HOSTS or host.startswith("127."):
+        return parts.port or (443 if parts.scheme == "https" else 80)
+    return None
+
+
+# ---- the report of one phase ----------------------------------------------------------------
+def phase_report(label: str, records: list[Record], offered_rate: float | None, slo_latency_s: float,
+                 cpu_s: dict[str, float] | None) -> dict:
+    """What one phase showed; ``cpu_s``: control-plane CPU seconds per role (None: not measured)."""
+    summary = summarize(records, offered_rate, slo_latency_s)
+    refused = [r.latency_s for r in records if r.status == REFUSED]
+    path = [r.latency_s - r.engine_s for r in records if r.status == OK and r.engine_s is not None]
+    return {
+        "load": label,
+        **{key: summary[key] for key in ("offered_rate", "sent", "completed", "refused", "errors",
+                                         "duration_s", "throughput_rps", "good", "goodput_rps", "top_errors")},
+        "refused_latency_s": {"p50": percentile(refused, 50), "p99": percentile(refused, 99)},
+        "admitted_latency_s": {"p50": summary["latency_s"]["p50"], "p99": summary["latency_s"]["p99"]},
+        "path_overhead_p50_s": percentile(path, 50),
+        "control_plane_cpu_s": cpu_s,
+        "control_plane_cpu_s_per_request": sum(cpu_s.values()) / len(records) if cpu_s and records else None,
+    }
+
+
+# ---- the run ----------------------------------------------------------------------------------
+async def server_slo(http: httpx.AsyncClient) -> float | None:
+    """The latency SLO the server says it admits for (``slo_latency_s`` of GET /health), if any."""
+    try:
+        value = (await http.get(HEALTH_PATH, timeout=10)).json().get("slo_latency_s")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+async def _measured(label: str, offered_rate: float | None, run: Awaitable[list[Record]], slo_latency_s: float,
+                    raylet: int | None) -> dict:
+    """Run one phase; the control plane's CPU is measured when ``raylet`` is known and has such processes."""
+    before = {} if raylet is None else control_plane_cpu(raylet)
+    records = await run
+    cpu_s = cpu_delta(before, control_plane_cpu(raylet)) if before else None
+    return phase_report(label, records, offered_rate, slo_latency_s, cpu_s)
+
+
+async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: bool = False) -> dict:
+    """The closed-loop capacity, then each load; stops after the closed loop if it completed nothing."""
+    async with client.make_client(endpoint) as http:
+        listed = await client.first_model(http)  # also checks the URL (and key) before any load
+        endpoint = replace(endpoint, model=endpoint.model or listed)
+        slo, slo_from = plan.slo_latency_s, "--slo-latency"
+        if slo is None:
+            slo, slo_from = await server_slo(http), "the server"
+        if slo is None:
+            slo, slo_from = DEFAULT_SLO_S, "default"
+        port = local_port(endpoint.url)
+        raylet = None if port is None else serving_raylet(port)
+        prompts = [plan.prompt] if plan.prompt else tiny_prompts(PROMPTS, plan.seed)
+        send = partial(client.send, http, endpoint)
+
+        def progress(label: str, total: int | None) -> Progress | None:
+            return None if quiet else Progress(total, f"{label} ")
+
+        closed = f"closed x{plan.clients}"
+        phases = [await _measured(closed, None, run_closed_loop(prompts, send, plan.clients, plan.capacity_s,
+                                                                progress(closed, None)), slo, raylet)]
+        capacity = phases[0]["throughput_rps"]
+        for load in plan.loads if capacity > 0 else ():
+            rate = load * capacity
+            arrivals = with_prompts(poisson_times(rate, plan.seed, plan.duration_s), prompts)
+            label = f"{load:g}x"
+            phases.append(await _measured(label, rate, run_open_loop(arrivals, send, progress(label, len(arrivals))),
+                                          slo, raylet))
+    for phase in phases:
+        phase["goodput_over_capacity"] = phase["goodput_rps"] / capacity if capacity > 0 else None
+    return {"url": endpoint.url, "model": endpoint.model, "api": endpoint.path, "slo_latency_s": slo,
+            "slo_from": slo_from, "clients": plan.clients, "capacity_s": plan.capacity_s,
+            "duration_s": plan.duration_s, "capacity_rps": capacity, "phases": phases,
+            "control_plane_cpu": _cpu_note(port, raylet, phases)}
+
+
+def _cpu_note(port: int | None, raylet: int | None, phases: list[dict]) -> str:
+    if port is None:
+        return "n/a: not a local URL"
+    if raylet is None:
+        return f"n/a: no process on this machine listens on port {port}"
+    if all(p["control_plane_cpu_s"] is None for p in phases):
+        return "n/a: no Ray ingress, proxy or metrics actor process beside the one on that port"
+    return "measured from /proc"
+
+
+def _ms(seconds: float | None) -> str:
+    return number(None if seconds is None else seconds * 1000, ".1f")
+
+
+_COLUMNS = (  # header, width, value of a phase report
+    ("load", 11, lambda p: p["load"]),
+    ("offered/s", 10, lambda p: number(p["offered_rate"], ".2f")),
+    ("sent", 6, lambda p: str(p["sent"])),
+    ("ok", 6, lambda p: str(p["completed"])),
+    ("429", 6, lambda p: str(p["refused"])),
+    ("err", 5, lambda p: str(p["errors"])),
+    ("goodput/s", 10, lambda p: f"{p['goodput_rps']:.2f}"),
+    ("good/cap", 9, lambda p: number(p["goodput_over_capacity"], ".2f")),
+    ("429 p50 ms", 11, lambda p: _ms(p["refused_latency_s"]["p50"])),
+    ("429 p99 ms", 11, lambda p: _ms(p["refused_latency_s"]["p99"])),
+    ("ok p50 s", 9, lambda p: number(p["admitted_latency_s"]["p50"], ".2f")),
+    ("ok p99 s", 9, lambda p: number(p["admitted_latency_s"]["p99"], ".2f")),
+    ("path p50 ms", 12, lambda p: _ms(p["path_overhead_p50_s"])),
+    ("cpu ms/req", 11, lambda p: "n/a" if p["control_plane_cpu_s"] is None
+     else _ms(p["control_plane_cpu_s_per_request"])),
+)
+
+
+def format_overload(result: dict) -> str:
+    lines = [f"target      {result['model']} at {result['url']}{result['api']}",
+             f"SLO         latency <= {result['slo_latency_s']:g} s (from {result['slo_from']})",
+             f"capacity    {result['capacity_rps']:.2f} req/s completed by {result['clients']} closed-loop clients "
+             f"in {result['capacity_s']:g} s; loads: Poisson for {result['duration_s']:g} s each",
+             *format_table(result["phases"], _COLUMNS),
+             "goodput: completed within the SLO per second; good/cap: goodput / capacity; ok: admitted (200) "
+             "latency;",
+             "path: client latency - dllm.engine_s; cpu: control plane (ingress + proxy + metrics actor) CPU per "
+             f"request sent ({result['control_plane_cpu']})"]
+    lines += [f"error       {p['load']}: {count} x {message}" for p in result["phases"]
+              for message, count in p["top_errors"].items()]
+    return "\n".join(lines)
+
+
+# ---- the command ------------------------------------------------------------------------------
+def add_bench_overload_parser(targets) -> None:
+    """`bench overload` (``targets``: the subparsers of `bench`)."""
+    parser = targets.add_parser(
+        "overload", help="goodput, refusals and control-plane CPU at 1x, 2x, 3x the measured capacity",
+        description=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: dllm-serve bench overload --url http://127.0.0.1:8000 --duration 20\n"
+               "exit status: 0; 1 when the closed loop completed no request; 2 on bad input or an "
+               "unreachable endpoint.")
+    parser.add_argument("--url", default="http://127.0.0.1:8000",
+                        help="base URL of the OpenAI-compatible server (default http://127.0.0.1:8000)")
+    parser.add_argument("--api-key", help="send 'Authorization: Bearer KEY'")
+    parser.add_argument("--model", help="model name (default: the first that GET /v1/models lists)")
+    parser.add_argument("--prompt", metavar="TEXT",
+                        help="send this prompt every time (default: seeded prompts of the tiny model's task)")
+    parser.add_argument("--max-tokens", type=positive_number(int), default=TINY_MAX_TOKENS, metavar="N",
+                        help=f"max_tokens of each request (default {TINY_MAX_TOKENS})")
+    parser.add_argument("--clients", type=positive_number(int), default=OverloadPlan.clients, metavar="N",
+                        help=f"concurrent clients of the closed loop that measures the capacity "
+                             f"(default {OverloadPlan.clients})")
+    parser.add_argument("--capacity-duration", type=positive_number(float), default=OverloadPlan.capacity_s,
+                        metavar="S", help=f"seconds of the closed loop (default {OverloadPlan.capacity_s:g})")
+    parser.add_argument("--loads", type=rate_list, default=list(OverloadPlan.loads), metavar="F1,F2,...",
+                        help="offered loads as multiples of the capacity, one Poisson phase each (default 1,2,3)")
+    parser.add_argument("--duration", type=positive_number(float), default=OverloadPlan.duration_s, metavar="S",
+                        help=f"seconds of Poisson arrivals per load (default {OverloadPlan.duration_s:g})")
+    parser.add_argument("--slo-latency", type=positive_number(float), metavar="S",
+                        help=f"goodput counts completed requests with latency <= S seconds (default: the "
+                             f"server's slo_latency_s from GET {HEALTH_PATH}, else {DEFAULT_SLO_S:g})")
+    parser.add_argument("--timeout", type=positive_number(float), default=60.0, metavar="S",
+                        help="give up on a request after S seconds; it counts as an error (default 60)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times and prompts (default 0)")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    parser.set_defaults(func=run_bench_overload)
+
+
+def run_bench_overload(args) -> int:
+    try:
+        if not args.url.startswith(("http://", "https://")):
+            raise LoadgenError(f"--url must start with http:// or https://, got {args.url!r}")
+        endpoint = client.Endpoint(url=args.url.rstrip("/"), model=args.model, max_tokens=args.max_tokens,
+                                   api_key=args.api_key, timeout_s=args.timeout)
+        plan = OverloadPlan(args.clients, args.capacity_duration, tuple(args.loads), args.duration,
+                            args.slo_latency, args.seed, args.prompt)
+        result = asyncio.run(bench_overload(endpoint, plan, args.quiet))
+    except LoadgenError as exc:
+        print(f"dllm-serve bench overload: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ndllm-serve bench overload: interrupted", file=sys.stderr)
+        return 130
+    print(json.dumps(result) if args.json else format_overload(result))
+    if result["capacity_rps"] <= 0:
+        print("dllm-serve bench overload: the closed loop completed no request (see its errors)", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,91 @@
+"""cluster.failover over a real (local) engine replica whose streams break on purpose:
+the stitched stream equals an unbroken one, attempts are bounded, deadlines hold."""
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
+from replicas.deployment import EngineReplica
+from replicas.messages import GenerateChunk, GenerateRequest
+from replicas.settings import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def replica():
+    replica = EngineReplica("tiny", EngineConfig(max_batch=4), metrics_actor=None)
+    yield replica
+    replica.__del__()
+
+
+def breaking(replica, break_after: list[int | None]):
+    """A ``generate`` whose n-th stream dies (as a killed actor) after ``break_after[n]`` chunks."""
+    attempts = []
+
+    async def generate(job: GenerateRequest):
+        limit = break_after[len(attempts)] if len(attempts) < len(break_after) else None
+        attempts.append(job)
+        count = 0
+        async for chunk in replica.generate(job):
+            if limit is not None and count == limit:
+                raise ActorDiedError()
+            count += 1
+            yield chunk
+    return generate, attempts
+
+
+def collect(failover: Failover, job: GenerateRequest) -> list[GenerateChunk]:
+    async def run():
+        return [chunk async for chunk in failover.stream(job)]
+    return asyncio.run(run())
+
+
+def job_for(replica, **fields) -> GenerateRequest:
+    prompt = "12.4..7.9"
+    return GenerateRequest("r1", replica.engine.encode(prompt), 96, ignore_eos=True,
+                           algorithm_params={"temperature": 1.0, "seed": 3}, **fields)
+
+
+def test_a_stream_broken_twice_is_stitched_into_the_unbroken_one(replica):
+    whole = collect(Failover(replica.generate, 1, 0.0, 16), job_for(replica))
+    generate, attempts = breaking(replica, [2, 0, 1])
+    counted = []
+    stitched = collect(Failover(generate, 4, 0.0, 16, on_failover=lambda: counted.append(1)), job_for(replica))
+    assert "".join(c.text for c in stitched) == "".join(c.text for c in whole)
+    assert [t for c in stitched for t in c.token_ids] == [t for c in whole for t in c.token_ids]
+    assert len(counted) == 3 and len(attempts) == 4
+    assert [len(a.resume_ids) for a in attempts] == [0, 32, 32, 48]  # resumed after the committed blocks
+    assert [a.request_id for a in attempts] == ["r1", "r1.2", "r1.3", "r1.4"]
+    assert attempts[-1].cost is None or attempts[-1].cost < attempts[0].cost
+    final = stitched[-1]
+    assert final.finished and final.completion_tokens == 96 and len(final.block_steps) == 6
+    assert final.steps >= sum(final.block_steps)
+
+
+def test_a_replica_fault_chunk_is_resumed_and_an_invalid_request_is_not(replica):
+    async def faulty_once(job, calls=[]):
+        calls.append(job)
+        if len(calls) == 1:
+            yield GenerateChunk(finished=True, error="the replica's engine step failed", error_kind="replica_fault")
+            return
+        async for chunk in replica.generate(job):
+            yield chunk
+
+    chunks = collect(Failover(faulty_once, 2, 0.0, 16), job_for(replica))
+    assert chunks[-1].finish_reason == "length" and chunks[-1].error is None
+
+
+def test_attempts_are_bounded(replica):
+    generate, attempts = breaking(replica, [0, 0, 0, 0])
+    with pytest.raises(ReplicaFailed, match="3 replica attempt"):
+        collect(Failover(generate, 3, 0.0, 16), job_for(replica))
+    assert len(attempts) == 3
+
+
+def test_the_deadline_carries_over_to_the_resumed_attempt(replica):
+    generate, attempts = breaking(replica, [1])
+    collect(Failover(generate, 2, 0.0, 16), job_for(replica, timeout_s=60.0))
+    assert attempts[1].timeout_s < 60.0
+    with pytest.raises(RequestTimedOut, match="deadline of 60 s"):
+        Failover(generate, 2, 0.0, 16)._resumed(job_for(replica, timeout_s=60.0), [], elapsed_s=60.5, attempt=2)

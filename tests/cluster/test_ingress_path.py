@@ -1,0 +1,234 @@
+"""The ingress request path without Ray: cheap refusals before parsing and tokenizing,
+tokenization off the event loop, one metrics-actor call per stats period."""
+
+import asyncio
+import json
+import threading
+import time
+import types
+
+import pytest
+from starlette.requests import Request
+
+from cluster.auth import API_KEYS_ENV
+from cluster.config import load_config
+from cluster.errors import APIError
+from replicas.messages import GenerateChunk
+
+PROMPT = "1.3. ..2. 4... .1.4 "
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting calls and the threads they come from."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls, self.threads = tokenizer, 0, set()
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        self.threads.add(threading.get_ident())
+        return self.tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.threads.add(threading.get_ident())
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+
+class Replicas:
+    """Stands in for the replica handle: every request finishes in one block."""
+
+    def __init__(self):
+        self.generate = types.SimpleNamespace(remote=self._generate)
+
+    async def _generate(self, job):
+        yield GenerateChunk(text="x", token_ids=[5], finished=True, finish_reason="stop",
+                            prompt_tokens=len(job.prompt_ids), completion_tokens=1, steps=2, block_steps=[2])
+
+
+class MetricsActor:
+    """Stands in for the metrics actor's handle; ``hang``: its calls never answer."""
+
+    def __init__(self, hang: bool = False):
+        self.calls, self.hang = [], hang
+        self.ingress_sync = types.SimpleNamespace(remote=self._sync)
+
+    def _sync(self, ingress_id, report):
+        self.calls.append((time.monotonic(), report))
+        return asyncio.Event().wait() if self.hang else _answer({"replicas": {}, "draining": False, "ingresses": 1})
+
+
+async def _answer(value):
+    return value
+
+
+def make_ingress(**settings):
+    """An Ingress of the tiny model built outside Serve, with a counting tokenizer."""
+    from cluster.ingress import Ingress
+
+    plain = next(c for c in Ingress.__mro__ if "_prepare" in vars(c))  # under serve.ingress's wrapper
+    handle = types.SimpleNamespace(options=lambda **_: Replicas())
+    instance = plain.__new__(plain)
+    plain.__init__(instance, handle, load_config(overrides=settings).model_dump(mode="json"))
+    instance.tokenizer = CountingTokenizer(instance.tokenizer)
+    instance._metrics = MetricsActor()  # never ray.get_actor, which would start Ray
+    return plain, instance
+
+
+class Body:
+    """An ASGI request body, counting how often the app asked for it."""
+
+    def __init__(self, data: bytes):
+        self.data, self.reads = data, 0
+
+    async def receive(self):
+        self.reads += 1
+        return {"type": "http.request", "body": self.data, "more_body": False}
+
+
+def request(body: dict | bytes, path: str = "/v1/completions", content_length: bool = True) -> tuple[Request, Body]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json")]
+    if content_length:
+        headers.append((b"content-length", str(len(data)).encode()))
+    source = Body(data)
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers, "query_string": b""}
+    return Request(scope, source.receive), source
+
+
+def completion(max_tokens: int = 16) -> dict:
+    return {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens}
+
+
+async def answer(plain, ingress, body: dict | bytes, **kwargs):
+    """The route's response, or the APIError it raised as a response."""
+    req, _ = request(body, **kwargs)
+    route = plain.chat_completions if kwargs.get("path", "").endswith("chat/completions") else plain.completions
+    try:
+        return await route(ingress, req)
+    except APIError as exc:
+        return exc.response()
+
+
+def over_capacity(ingress) -> None:
+    """Fill the admission controller far beyond its fixed bound."""
+    assert ingress.admission.try_admit(10 ** 9).admitted  # an idle cluster admits anything once
+
+
+def test_over_capacity_refuses_before_reading_parsing_or_tokenizing():
+    plain, ingress = make_ingress(**{"admission.max_step_debt_per_replica": 100})
+    over_capacity(ingress)
+    req, body = request(completion())
+    with pytest.raises(APIError) as refused:
+        asyncio.run(plain.completions(ingress, req))
+    assert refused.value.status == 429 and int(refused.value.headers["Retry-After"]) >= 1
+    assert refused.value.body()["error"]["type"] == "rate_limit_error"
+    assert body.reads == 0 and ingress.tokenizer.calls == 0
+    assert ingress.rejected["step_capacity"] == 1 and ingress.admitted == 0
+
+
+def test_auth_comes_before_admission_and_the_body(monkeypatch):
+    monkeypatch.setenv(API_KEYS_ENV, "the-right-key")
+    plain, ingress = make_ingress(**{"admission.max_step_debt_per_replica": 100})
+    over_capacity(ingress)
+    req, body = request(completion())
+    with pytest.raises(APIError) as refused:
+        asyncio.run(plain.completions(ingress, req))
+    assert refused.value.status == 401 and body.reads == 0 and not ingress.rejected
+
+
+@pytest.mark.parametrize("content_length", [True, False], ids=["declared", "streamed"])
+def test_body_over_the_limit_gets_413(content_length):
+    plain, ingress = make_ingress(**{"ingress.max_body_bytes": 2048})
+    big = completion() | {"prompt": "1" * 4000}
+    response = asyncio.run(answer(plain, ingress, big, content_length=content_length))
+    assert response.status_code == 413
+    assert json.loads(response.body)["error"]["code"] == "request_too_large"
+    assert ingress.tokenizer.calls == 0
+
+
+def test_bad_json_is_a_400_after_the_cheap_checks():
+    plain, ingress = make_ingress()
+    response = asyncio.run(answer(plain, ingress, b'{"model": "tiny", "prompt": '))
+    assert response.status_code == 400 and json.loads(response.body)["error"]["code"] == "invalid_json"
+    response = asyncio.run(answer(plain, ingress, {"model": "tiny", "prompt": 123}))
+    assert response.status_code == 400 and json.loads(response.body)["error"]["param"] == "prompt.str"
+
+
+def test_the_output_bound_refuses_before_tokenizing():
+    """A request whose own output blocks cannot fit is refused before its prompt is tokenized."""
+    plain, ingress = make_ingress(**{"admission.max_step_debt_per_replica": 100})
+    assert ingress.admission.try_admit(80).admitted  # room for a one-block request, not for 32 blocks
+    response = asyncio.run(answer(plain, ingress, completion(max_tokens=512)))
+    assert response.status_code == 429 and ingress.tokenizer.calls == 0
+
+
+def test_tokenization_and_chat_templates_run_off_the_event_loop():
+    plain, ingress = make_ingress()
+
+    async def both():
+        loop_thread = threading.get_ident()
+        ok = await answer(plain, ingress, completion())
+        chat = await answer(plain, ingress, {"model": "tiny", "max_tokens": 16,
+                                             "messages": [{"role": "user", "content": PROMPT}]},
+                            path="/v1/chat/completions")
+        return loop_thread, ok, chat
+
+    loop_thread, ok, chat = asyncio.run(both())
+    assert ok.status_code == 200 and chat.status_code == 200, (ok.body, chat.body)
+    assert ingress.tokenizer.calls == 2 and loop_thread not in ingress.tokenizer.threads
+    assert ingress.admitted == 2 and ingress.admission.outstanding == 0
+
+
+def test_decisions_reach_the_metrics_actor_batched_once_per_period():
+    period = 0.2
+    plain, ingress = make_ingress(stats_period_s=period, **{"admission.max_step_debt_per_replica": 100})
+    actor = ingress._metrics
+
+    async def load():
+        start = time.monotonic()
+        assert (await answer(plain, ingress, completion())).status_code == 200  # starts the sync task
+        over_capacity(ingress)
+        codes = [(await answer(plain, ingress, completion())).status_code for _ in range(200)]
+        await asyncio.sleep(2.5 * period)  # the next report carries them
+        return codes, time.monotonic() - start
+
+    codes, elapsed = asyncio.run(load())
+    assert codes == [429] * 200
+    assert 1 <= len(actor.calls) <= elapsed / period + 1  # per period, not per request
+    last = actor.calls[-1][1]
+    assert last["admitted"] == 1 and last["rejected"] == {"step_capacity": 200}
+    assert last["outstanding"] == ingress.admission.outstanding and last["cpu_s"] > 0
+
+
+def test_a_metrics_actor_that_never_answers_does_not_hold_requests():
+    plain, ingress = make_ingress(stats_period_s=0.05, **{"ingress.metrics_timeout_s": 0.1})
+    actor = ingress._metrics = MetricsActor(hang=True)
+
+    async def load():
+        codes = [(await answer(plain, ingress, completion())).status_code for _ in range(5)]
+        await asyncio.sleep(0.5)
+        return codes
+
+    assert asyncio.run(load()) == [200] * 5
+    assert len(actor.calls) >= 2  # timed out and tried again, on the same handle
+
+
+def test_exporter_adds_what_is_new_in_each_ingress_report():
+    from prometheus_client import generate_latest
+
+    from cluster.metrics import MetricsExporter
+    from test_metrics_exporter import sample
+
+    exporter = MetricsExporter()
+    report = {"admitted": 3, "rejected": {"step_capacity": 5}, "failovers": 1, "outstanding": 40.0, "cpu_s": 1.5}
+    exporter.push_ingress("a", report)
+    exporter.push_ingress("a", report)  # sent twice: counted once
+    exporter.push_ingress("b", {"admitted": 1, "rejected": {}, "failovers": 0, "outstanding": 2.0, "cpu_s": 0.5})
+    answer = exporter.ingress_sync("a", report | {"admitted": 4, "failovers": 2, "outstanding": 10.0, "cpu_s": 2.0})
+    assert answer == {"replicas": {}, "draining": False, "ingresses": 2}  # no replica has reported
+    text = generate_latest(exporter.registry).decode()
+    assert sample(text, "dllm_admitted_total") == 5
+    assert sample(text, "dllm_failovers_total") == 2
+    assert sample(text, "dllm_rejected_total", 'reason="step_capacity"') == 5
+    assert sample(text, "dllm_admission_outstanding") == 12.0  # summed over the ingress replicas
+    assert sample(text, "dllm_ingress_cpu_seconds_total") == 2.5

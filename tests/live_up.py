@@ -1,0 +1,71 @@
+"""`dllm-serve up` as a subprocess (Ray Serve, HTTP on 127.0.0.1), for every test folder
+that needs a real one: ``from live_up import start_cluster, stop_cluster``."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import yaml
+
+from cluster.auth import API_KEYS_ENV
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    base_url: str
+    metrics_url: str
+    model: str
+    process: subprocess.Popen
+    log_path: str
+
+    def metrics_text(self) -> str:
+        return httpx.get(self.metrics_url, timeout=10).text
+
+
+def start_cluster(tmp_path, settings: dict, timeout_s: float = 180, api_keys: str | None = None) -> Cluster:
+    """`dllm-serve up` with ``settings``; ``api_keys`` reach it in DLLM_API_KEYS, never on its command line."""
+    port, metrics_port = free_port(), free_port()
+    config = {"port": port, "metrics_port": metrics_port, **settings}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log_path = str(tmp_path / "up.log")
+    log = open(log_path, "w")
+    env = {k: v for k, v in os.environ.items() if k != API_KEYS_ENV}
+    if api_keys is not None:
+        env[API_KEYS_ENV] = api_keys
+    process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", "--config", str(path)],
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = open(log_path).read()
+        if "ready; Ctrl-C stops" in text:
+            break
+        if process.poll() is not None:
+            raise RuntimeError(f"dllm-serve up exited early:\n{text}")
+        time.sleep(0.5)
+    else:
+        stop_cluster(process)
+        raise RuntimeError(f"dllm-serve up did not become ready:\n{open(log_path).read()}")
+    return Cluster(f"http://127.0.0.1:{config['port']}", f"http://127.0.0.1:{config['metrics_port']}/metrics",
+                   "tiny", process, log_path)
+
+
+def stop_cluster(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)

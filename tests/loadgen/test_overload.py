@@ -1,0 +1,288 @@
+"""`dllm-serve bench overload` without a cluster: /proc parsing, the per-load report from
+records, a whole run against a mock server, and the command's errors."""
+
+import argparse
+import asyncio
+import json
+import os
+
+import httpx
+import pytest
+
+from cluster.cli import build_parser, main
+from loadgen import overload
+from loadgen.client import Endpoint
+from loadgen.records import ERROR, OK, REFUSED, Record
+from loadgen.runner import run_closed_loop
+
+
+def test_parse_stat_reads_the_parent_and_user_plus_system_time():
+    # a command name with spaces and parentheses; parent 7, utime 250 and stime 50 ticks
+    stat = "4242 (ray::ServeReplica:default:Ingress (x) y) S 7 2 3 0 -1 4194560 10 0 0 0 250 50 0 0 20 0 9 0"
+    assert overload.parse_stat(stat, ticks_per_s=100) == (7, pytest.approx(3.0))
+
+
+def test_parse_stat_of_this_process():
+    ticks = os.sysconf("SC_CLK_TCK")
+    read = lambda: overload.parse_stat(open(f"/proc/{os.getpid()}/stat").read(), ticks)  # noqa: E731
+    parent, before = read()
+    sum(i * i for i in range(3_000_000))
+    assert parent == os.getppid() and read()[1] > before >= 0
+
+
+RAYLET, OTHER_RAYLET, PORT = 500, 600, 8100
+
+
+def fake_proc(root, processes: dict[int, tuple[str, int, int]], listener: int | None = 13):
+    """A /proc with one folder per pid (command line, stat line with its parent and CPU ticks,
+    fd links) and net/tcp, where ``listener`` holds the socket listening on PORT."""
+    (root / "self").mkdir()
+    (root / "net").mkdir()
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    (root / "net" / "tcp").write_text(
+        header + f"   0: 0100007F:{PORT:04X} 00000000:0000 0A 00000000:00000000 00:00000000 00000000 0 0 777\n"
+        f"   1: 0100007F:{PORT:04X} 0100007F:9999 01 00000000:00000000 00:00000000 00000000 0 0 778\n")
+    for pid, (cmdline, parent, ticks) in processes.items():
+        folder = root / str(pid)
+        (folder / "fd").mkdir(parents=True)
+        (folder / "cmdline").write_bytes(cmdline.replace(" ", "\0").encode() + b"\0")
+        (folder / "stat").write_text(f"{pid} (x) S {parent} 1 1 0 -1 0 0 0 0 0 {ticks} {ticks} 0 0 20 0 1 0")
+        (folder / "fd" / "0").symlink_to("/dev/null")
+        if pid == listener:
+            (folder / "fd" / "5").symlink_to("socket:[777]")
+
+
+PROCESSES = {
+    10: ("ray::ServeReplica:dllm:Ingress.handle_request", RAYLET, 100),
+    11: ("ray::ServeReplica:dllm:Ingress", RAYLET, 50),
+    12: ("ray::ServeReplica:dllm:EngineReplica", RAYLET, 900),  # the engine: not control plane
+    13: ("ray::ProxyActor", RAYLET, 30),
+    14: ("ray::MetricsActor.report", RAYLET, 5),
+    15: ("python -m pytest -k Ingress", 1, 7),
+    20: ("ray::ProxyActor", OTHER_RAYLET, 40),  # another local cluster
+    21: ("ray::ServeReplica:dllm:Ingress", OTHER_RAYLET, 40),
+}
+
+
+def test_the_raylet_is_the_parent_of_the_process_listening_on_the_port(tmp_path):
+    fake_proc(tmp_path, PROCESSES)
+    assert overload.serving_raylet(PORT, tmp_path) == RAYLET
+    assert overload.serving_raylet(PORT + 1, tmp_path) is None
+
+
+def test_control_plane_processes_are_found_by_their_ray_titles_and_raylet(tmp_path):
+    fake_proc(tmp_path, PROCESSES)
+    found = overload.control_plane_cpu(RAYLET, tmp_path, ticks_per_s=100)
+    assert found == {10: ("ingress", 2.0), 11: ("ingress", 1.0), 13: ("proxy", 0.6), 14: ("metrics", 0.1)}
+    assert overload.control_plane_cpu(OTHER_RAYLET, tmp_path, ticks_per_s=100) == {
+        20: ("proxy", 0.8), 21: ("ingress", 0.8)}
+
+
+def test_cpu_delta_per_role():
+    before = {10: ("ingress", 2.0), 13: ("proxy", 0.5), 99: ("metrics", 4.0)}
+    after = {10: ("ingress", 2.5), 13: ("proxy", 0.75), 20: ("ingress", 0.25)}  # 99 ended, 20 started
+    assert overload.cpu_delta(before, after) == {"ingress": 0.75, "proxy": 0.25, "metrics": 0.0}
+
+
+@pytest.mark.parametrize("url, port", [("http://127.0.0.1:8000", 8000), ("http://localhost", 80),
+                                       ("https://[::1]", 443), ("http://10.0.0.5:8000", None),
+                                       ("https://api.example.com", None)])
+def test_local_port(url, port):
+    assert overload.local_port(url) == port
+
+
+def records() -> list[Record]:
+    """Ten requests over 2 s: 6 completed (latency 1, 2, ... 6 s), 3 refused, 1 error."""
+    out = [Record(index=i, planned_s=0.2 * i, sent_s=0.2 * i, status=OK, http_status=200, latency_s=float(i + 1),
+                  engine_s=i + 1 - 0.01 * (i + 1), output_tokens=10, tokens_from="usage") for i in range(6)]
+    out += [Record(index=6 + i, planned_s=1.2 + 0.2 * i, sent_s=1.2 + 0.2 * i, status=REFUSED, http_status=429,
+                   latency_s=0.002 * (i + 1), retry_after_s=1, error="HTTP 429: busy") for i in range(3)]
+    out.append(Record(index=9, planned_s=1.8, sent_s=1.8, status=ERROR, latency_s=0.5, error="boom"))
+    return out
+
+
+def test_phase_report_from_records():
+    report = overload.phase_report("2x", records(), 5.0, slo_latency_s=4.0,
+                                   cpu_s={"ingress": 0.01, "proxy": 0.005, "metrics": 0.005})
+    duration = 1.0 + 6.0  # first send (0) to the last completion: sent at 1.0, took 6 s
+    assert report["load"] == "2x" and report["offered_rate"] == 5.0
+    assert (report["sent"], report["completed"], report["refused"], report["errors"]) == (10, 6, 3, 1)
+    assert report["good"] == 4 and report["goodput_rps"] == pytest.approx(4 / duration)
+    assert report["throughput_rps"] == pytest.approx(6 / duration)
+    assert report["refused_latency_s"] == {"p50": pytest.approx(0.004), "p99": pytest.approx(0.00596)}
+    assert report["admitted_latency_s"] == {"p50": pytest.approx(3.5), "p99": pytest.approx(5.95)}
+    assert report["path_overhead_p50_s"] == pytest.approx(0.035)  # 10 ms per second of latency
+    assert report["control_plane_cpu_s_per_request"] == pytest.approx(0.002)
+    assert report["top_errors"] == {"boom": 1}
+
+
+def test_phase_report_without_cpu_or_answers():
+    report = overload.phase_report("closed x12", [], None, 5.0, None)
+    assert report["control_plane_cpu_s_per_request"] is None and report["path_overhead_p50_s"] is None
+    assert report["refused_latency_s"] == {"p50": None, "p99": None} and report["goodput_rps"] == 0
+
+
+def test_closed_loop_keeps_the_clients_busy_until_the_end():
+    in_flight, peak = 0, 0
+
+    async def send(index, arrival, start):
+        nonlocal in_flight, peak
+        loop = asyncio.get_running_loop()
+        in_flight += 1
+        peak = max(peak, in_flight)
+        record = Record(index=index, planned_s=arrival.time_s, sent_s=loop.time() - start)
+        await asyncio.sleep(0.05)
+        in_flight -= 1
+        record.status, record.latency_s = OK, loop.time() - start - record.sent_s
+        return record
+
+    result = asyncio.run(run_closed_loop(["a", "b"], send, clients=3, duration_s=0.5))
+    assert peak == 3 and [r.index for r in result] == list(range(len(result)))
+    assert 3 * 2 <= len(result) <= 3 * 11  # each client: one request per >= 50 ms for 0.5 s
+    assert max(r.sent_s for r in result) < 0.5 <= max(r.end_s for r in result)
+
+
+def mock_server(refuse_every: int = 3, slo: float | None = 2.0):
+    """An async handler: /v1/models, /health (with ``slo``), and completions that take 20 ms
+    (engine 15 ms), every ``refuse_every``-th one refused at once with 429."""
+    count = 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal count
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny"}]})
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok", **({"slo_latency_s": slo} if slo else {})})
+        count += 1
+        if count % refuse_every == 0:
+            return httpx.Response(429, headers={"Retry-After": "1"},
+                                  json={"error": {"message": "busy", "type": "rate_limit_error"}})
+        await asyncio.sleep(0.02)
+        events = [{"choices": [{"text": "12"}], "dllm": {"steps": 3, "engine_s": 0.015}},
+                  {"choices": [], "usage": {"completion_tokens": 2}}]
+        body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+        return httpx.Response(200, content=body)
+
+    return handler
+
+
+def run_mock(monkeypatch, handler, plan, url="http://test"):
+    monkeypatch.setattr(overload.client, "make_client", lambda endpoint: httpx.AsyncClient(
+        transport=httpx.MockTransport(handler), base_url=endpoint.url))
+    return asyncio.run(overload.bench_overload(Endpoint(url=url, timeout_s=5), plan, quiet=True))
+
+
+def test_a_run_against_a_mock_server(monkeypatch):
+    plan = overload.OverloadPlan(clients=2, capacity_s=0.4, loads=(1.0, 2.0), duration_s=0.4, prompt="1234")
+    result = run_mock(monkeypatch, mock_server(), plan)
+    assert result["model"] == "tiny" and (result["slo_latency_s"], result["slo_from"]) == (2.0, "the server")
+    closed, *loads = result["phases"]
+    assert closed["load"] == "closed x2" and closed["offered_rate"] is None
+    assert result["capacity_rps"] == closed["throughput_rps"] > 0 and closed["goodput_over_capacity"] == 1
+    assert [p["load"] for p in loads] == ["1x", "2x"]
+    assert [p["offered_rate"] for p in loads] == pytest.approx([result["capacity_rps"], 2 * result["capacity_rps"]])
+    for phase in result["phases"]:
+        assert phase["sent"] == phase["completed"] + phase["refused"] > 0 and phase["errors"] == 0
+        assert phase["refused_latency_s"]["p99"] < phase["admitted_latency_s"]["p50"]
+        assert 0 < phase["path_overhead_p50_s"] < phase["admitted_latency_s"]["p50"]
+        assert phase["goodput_over_capacity"] == pytest.approx(phase["goodput_rps"] / result["capacity_rps"])
+        assert phase["control_plane_cpu_s"] is None  # not a local URL
+    assert result["control_plane_cpu"] == "n/a: not a local URL"
+    text = overload.format_overload(result)
+    assert "from the server" in text and "closed x2" in text and "2x" in text and "n/a" in text
+    json.dumps(result)
+
+
+def test_slo_option_wins_and_default_without_one(monkeypatch):
+    plan = overload.OverloadPlan(clients=1, capacity_s=0.1, loads=(), slo_latency_s=7.0, prompt="1")
+    assert run_mock(monkeypatch, mock_server(), plan)["slo_from"] == "--slo-latency"
+    plan = overload.OverloadPlan(clients=1, capacity_s=0.1, loads=(), prompt="1")
+    result = run_mock(monkeypatch, mock_server(slo=None), plan)
+    assert (result["slo_latency_s"], result["slo_from"]) == (overload.DEFAULT_SLO_S, "default")
+
+
+def test_local_url_without_a_listener_or_ray_processes_says_why(monkeypatch, closed_url):
+    plan = overload.OverloadPlan(clients=1, capacity_s=0.1, loads=(1.0,), duration_s=0.1, prompt="1")
+    result = run_mock(monkeypatch, mock_server(), plan, url=closed_url)
+    assert all(p["control_plane_cpu_s"] is None for p in result["phases"])
+    assert result["control_plane_cpu"].startswith("n/a: no process on this machine listens on port")
+
+    monkeypatch.setattr(overload, "serving_raylet", lambda port: RAYLET)
+    monkeypatch.setattr(overload, "control_plane_cpu", lambda raylet: {})
+    result = run_mock(monkeypatch, mock_server(), plan, url="http://127.0.0.1:8100")
+    assert result["control_plane_cpu"].startswith("n/a: no Ray ingress, proxy or metrics actor")
+
+
+def test_a_local_cluster_is_measured(monkeypatch):
+    """CPU per request: the control plane's CPU growth over the phase / requests sent."""
+    snapshots = iter([{10: ("ingress", 1.0), 13: ("proxy", 2.0)}, {10: ("ingress", 1.5), 13: ("proxy", 2.25)}])
+    monkeypatch.setattr(overload, "serving_raylet", lambda port: RAYLET if port == PORT else None)
+    monkeypatch.setattr(overload, "control_plane_cpu", lambda raylet: next(snapshots))
+    plan = overload.OverloadPlan(clients=1, capacity_s=0.2, loads=(), prompt="1")
+    result = run_mock(monkeypatch, mock_server(), plan, url=f"http://127.0.0.1:{PORT}")
+    (closed,) = result["phases"]
+    assert closed["control_plane_cpu_s"] == {"ingress": 0.5, "proxy": 0.25, "metrics": 0.0}
+    assert closed["control_plane_cpu_s_per_request"] == pytest.approx(0.75 / closed["sent"])
+    assert result["control_plane_cpu"] == "measured from /proc"
+
+
+# ---- the command --------------------------------------------------------------------------------
+def overload_parser() -> argparse.ArgumentParser:
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bench = commands.choices["bench"]
+    targets = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    return targets.choices["overload"]
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "overload", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    actions = [a for a in overload_parser()._actions if a.option_strings]
+    assert len(actions) > 12
+    for action in actions:
+        assert action.help, action.option_strings
+        assert all(option in text for option in action.option_strings)
+    assert "exit status" in text and "goodput" in text and "/proc" in text
+
+
+def test_bad_url_is_a_message_and_exit_2(capsys):
+    assert main(["bench", "overload", "--url", "localhost:8000", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dllm-serve bench overload: error: --url must start with http://")
+    assert "Traceback" not in err
+
+
+def test_unreachable_url_is_a_message_and_exit_2(capsys, closed_url):
+    assert main(["bench", "overload", "--url", closed_url, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"dllm-serve bench overload: error: cannot reach {closed_url}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--clients", "0"], "argument --clients: must be positive"),
+    (["--loads", "1,x"], "argument --loads: expected a float"),
+    (["--duration", "-3"], "argument --duration: must be positive"),
+])
+def test_argument_errors_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "overload", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_no_completed_request_exits_1(monkeypatch, capsys):
+    async def refuse(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny"}]})
+        await asyncio.sleep(0.01)
+        return httpx.Response(429, headers={"Retry-After": "1"}, json={"error": {"message": "busy"}})
+
+    monkeypatch.setattr(overload.client, "make_client", lambda endpoint: httpx.AsyncClient(
+        transport=httpx.MockTransport(refuse), base_url=endpoint.url))
+    assert main(["bench", "overload", "--url", "http://test", "--capacity-duration", "0.1", "--quiet",
+                 "--prompt", "1", "--json"]) == 1
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert result["capacity_rps"] == 0 and len(result["phases"]) == 1 and result["phases"][0]["refused"] > 0
+    assert "the closed loop completed no request" in err

@@ -1,0 +1,165 @@
+"""Faults inside a replica: a failing step fails only its rows (as a replica fault, which
+the ingress resumes elsewhere), repeated failures or a stalled loop make the replica
+unhealthy, no queued add is dropped, and deadlines end requests and free their pages."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from replicas.async_engine import AsyncEngine
+from replicas.deployment import EngineReplica
+from replicas.messages import GenerateRequest
+from replicas.request import FinishReason, SamplingParams
+from replicas.settings import EngineConfig
+
+PARAMS = SamplingParams(max_tokens=64, ignore_eos=True)
+
+
+def pool_is_free(engine) -> bool:
+    return (engine.pool.num_free == engine.pool.capacity and engine.rows.num_free == engine.config.max_batch
+            and not engine.scheduler.running and not engine.scheduler.waiting)
+
+
+def test_one_failing_step_fails_only_its_rows_as_a_replica_fault(make_engine):
+    engine = make_engine(max_batch=2)
+    outputs = {}
+    for prompt in ["abc", "def", "ghi"]:  # the third waits for a row
+        engine.add_request(prompt, PARAMS, request_id=prompt,
+                           on_output=lambda o: outputs.setdefault(o.request_id, []).append(o))
+    engine.step()  # the first two prefill and take a step
+    engine.inject_faults(1)
+    assert engine.step() is None and engine.failed_steps_in_a_row == 1
+    while engine.has_work():
+        engine.step()
+    assert engine.failed_steps_in_a_row == 0
+    failed = {rid for rid, outs in outputs.items() if outs[-1].error}
+    assert failed == {"abc", "def"}
+    assert all(outputs[rid][-1].replica_fault for rid in failed)
+    assert outputs["ghi"][-1].finish_reason is FinishReason.LENGTH
+    assert pool_is_free(engine)
+
+
+def test_a_failing_add_does_not_drop_the_others_in_the_inbox(make_engine, monkeypatch):
+    engine = make_engine(max_batch=4)
+    add = engine.scheduler.add
+    calls = {"n": 0}
+
+    def add_failing_once(request):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("queue broken")
+        add(request)
+
+    monkeypatch.setattr(engine.scheduler, "add", add_failing_once)
+    outs = engine.generate(["abc", "def", "ghi"], PARAMS)
+    assert outs[0].finish_reason is FinishReason.ERROR and outs[0].replica_fault
+    assert [o.finish_reason for o in outs[1:]] == [FinishReason.LENGTH] * 2
+    assert pool_is_free(engine)
+
+
+def test_a_deadline_ends_the_request_and_frees_its_pages(make_engine):
+    now = [0.0]
+    engine = make_engine(max_batch=1)
+    engine.clock = engine.scheduler.clock = engine.outputs.clock = lambda: now[0]
+    outputs = []
+    engine.add_request("abc", SamplingParams(max_tokens=128, ignore_eos=True, timeout_s=5.0), on_output=outputs.append)
+    engine.add_request("def", SamplingParams(max_tokens=128, ignore_eos=True, timeout_s=5.0), on_output=outputs.append)
+    engine.step()
+    now[0] = 5.0
+    engine.step()
+    assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.TIMEOUT] * 2  # running and waiting
+    assert "deadline of 5 s" in outputs[-1].error
+    assert engine.totals.requests_timed_out == 2
+    assert pool_is_free(engine)
+
+
+@pytest.fixture
+def replica(monkeypatch):
+    replica = EngineReplica("tiny", EngineConfig(max_batch=4), metrics_actor=None, stall_timeout_s=0.5,
+                            unhealthy_after_failed_steps=3)
+    yield replica
+    replica.__del__()
+
+
+def _generate(replica, prompt: str) -> list:
+    async def collect():
+        job = GenerateRequest(prompt, replica.engine.encode(prompt), 64, ignore_eos=True)
+        return [chunk async for chunk in replica.generate(job)]
+    return asyncio.run(collect())
+
+
+def test_steps_failing_in_a_row_make_the_replica_unhealthy(replica):
+    asyncio.run(replica.check_health())
+    replica.inject_faults(-1)
+    for prompt in ["1.", "2.", "3."]:
+        [chunk] = _generate(replica, prompt)
+        assert chunk.error_kind == "replica_fault" and "injected" in chunk.error
+    with pytest.raises(RuntimeError, match="engine steps failed"):
+        asyncio.run(replica.check_health())
+    replica.inject_faults(0)
+    assert _generate(replica, "4.")[-1].finish_reason == "length"
+    asyncio.run(replica.check_health())  # healthy again after a good step
+
+
+def test_after_one_failed_step_a_probe_tells_a_broken_engine_from_a_bad_step(replica):
+    replica.inject_faults(1)
+    assert _generate(replica, "1.")[-1].error_kind == "replica_fault"
+    asyncio.run(replica.check_health())  # the probe ran a good step
+    assert replica.engine.failed_steps_in_a_row == 0
+    replica.inject_faults(-1)
+    assert _generate(replica, "2.")[-1].error_kind == "replica_fault"
+    with pytest.raises(RuntimeError, match="probe request failed"):
+        asyncio.run(replica.check_health())
+    replica.inject_faults(0)
+    asyncio.run(replica.check_health())
+
+
+def test_a_stalled_engine_loop_makes_the_replica_unhealthy(replica):
+    release = threading.Event()
+    forward = replica.engine.runner.forward
+
+    def stuck(batch):
+        release.wait(timeout=60)
+        return forward(batch)
+
+    replica.engine.runner.forward = stuck
+    worker = threading.Thread(target=_generate, args=(replica, "1."))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            asyncio.run(replica.check_health())
+        except RuntimeError as exc:
+            assert "has not finished a step" in str(exc)
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the stalled replica stayed healthy")
+    release.set()
+    worker.join(timeout=60)
+    asyncio.run(replica.check_health())
+
+
+def test_the_loop_survives_a_step_that_raises_past_the_engine(make_engine, monkeypatch):
+    engine = make_engine()
+    runner = AsyncEngine(engine)
+    step = engine.step
+    calls = {"n": 0}
+
+    def broken_once():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("outside everything")
+        return step()
+
+    monkeypatch.setattr(engine, "step", broken_once)
+
+    async def collect():
+        return [o async for o in runner.generate("abc", PARAMS)]
+
+    try:
+        assert asyncio.run(collect())[-1].finish_reason is FinishReason.LENGTH
+    finally:
+        runner.shutdown(drain_timeout=0)
