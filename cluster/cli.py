@@ -164,7 +164,7 @@ def cmd_bench(args) -> int:
     if args.target == "engine":
         from replicas.tiny.bench import bench_engine
 
-        result = bench_engine(args.model, num_requests=args.requests, max_batch=args.max_batch,
+        result = bench_engine(args.model, num_requests=args.requests, max_batch=args.max_batch, rounds=args.rounds,
                               on_fdfo_run=_calibration_writer(args.calibration, args.max_batch))
     else:
         from loadgen.capacity.policy_bench import bench_policies
@@ -468,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     targets = bench.add_subparsers(dest="target", required=True)
     engine = targets.add_parser("engine", help="fdfo vs sync vs static tokens/s on one closed workload")
     engine.add_argument("--requests", type=int, default=256, help="requests (default 256)")
+    engine.add_argument("--rounds", type=int, default=3,
+                        help="rounds of fdfo, sync, static, interleaved; ratios are the median over the rounds, "
+                             "with their spread (default 3)")
     engine.add_argument("--calibration", metavar="FILE",
                         help="also write the simulator's calibration (step cost, step counts) here")
     policies = targets.add_parser(

@@ -58,11 +58,14 @@ def test_accuracy_in_both_modes_at_batch_1_and_16():
 
 
 def test_bench_engine_report_is_consistent():
-    result = bench_engine("tiny", num_requests=48, max_batch=16)
+    result = bench_engine("tiny", num_requests=48, max_batch=16, rounds=2)
     for mode in ("fdfo", "sync", "static"):
         assert result[f"{mode}_tokens_per_s"] > 0
-    assert result["fdfo_over_sync"] == pytest.approx(result["fdfo_tokens_per_s"] / result["sync_tokens_per_s"], rel=0.01)
-    assert result["fdfo_over_static"] == pytest.approx(result["fdfo_tokens_per_s"] / result["static_tokens_per_s"], rel=0.01)
+        assert 0 < result["tokens_per_forward"][mode] <= 16  # at most a block per row-forward
+    for baseline in ("sync", "static"):
+        assert result[f"fdfo_over_{baseline}"] > 0 and result[f"fdfo_over_{baseline}_spread"] >= 0
+        # the baselines keep idle rows in their forwards: fewer tokens per row-forward
+        assert result["tokens_per_forward"]["fdfo"] >= result["tokens_per_forward"][baseline]
     assert 0 < result["compute_ratio"] <= 1
     assert result["overhead_ms_per_step_p50"] > 0
     assert sum(result["steps_per_block_histogram"].values()) > 48
