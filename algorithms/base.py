@@ -13,6 +13,9 @@ Conventions shared by every implementation:
   block is done.
 * A block is done when the forward saw it with no mask left, so the KV computed in
   that forward is the block's final KV (algorithms that edit may wait longer).
+  ``final_when_filled``: that last forward can change nothing (the rule never edits a
+  filled position), so the engine may commit a block at the step that fills its last
+  mask and write its final KV in the row's next forward (``EngineConfig.fused_commit``).
   A row that still has masks must get at least one position filled.
 * Per-request parameters are frozen dataclasses made by ``make_params``; per-block
   state comes from ``init_state`` (called when a block starts) and is mutated by
@@ -97,6 +100,7 @@ class DllmAlgorithm(ABC):
 
     name: ClassVar[str]
     params_class: ClassVar[type[AlgorithmParams]] = AlgorithmParams
+    final_when_filled: ClassVar[bool] = True  # see the module docstring; False for rules that edit
 
     def make_params(self, overrides: Mapping[str, Any] | None = None) -> AlgorithmParams:
         """Published defaults with per-request ``overrides``; rejects unknown keys and bad values."""

@@ -60,6 +60,7 @@ class JointThresholdState:
 class JointThreshold(DllmAlgorithm):
     name = "joint_threshold"
     params_class = JointThresholdParams
+    final_when_filled = False  # the forwards after the last fill may edit
 
     def init_state(self, params: JointThresholdParams, block_index: int) -> JointThresholdState:
         noise = RowNoise.for_block(params.seed, block_index) if params.temperature > 0 else None

@@ -152,8 +152,8 @@ def _calibration_writer(path: str | None, max_batch: int):
 
     def write(steps, outputs) -> None:
         calibration = fit_calibration(
-            [(s.batch_size, s.prompt_units, s.step_s) for s in steps], [n for o in outputs for n in o.block_steps],
-            [len(o.block_steps) for o in outputs], sum(s.prompt_units for s in steps) / len(outputs),
+            [(s.batch_size, s.prefix_units, s.step_s) for s in steps], [n for o in outputs for n in o.block_steps],
+            [len(o.block_steps) for o in outputs], sum(s.prefix_units for s in steps) / len(outputs),
             max_batch, source="dllm-serve bench engine")
         save_calibration(calibration, path)
 
@@ -165,6 +165,7 @@ def cmd_bench(args) -> int:
         from replicas.tiny.bench import bench_engine
 
         result = bench_engine(args.model, num_requests=args.requests, max_batch=args.max_batch, rounds=args.rounds,
+                              workload=args.workload,
                               on_fdfo_run=_calibration_writer(args.calibration, args.max_batch))
     else:
         from loadgen.capacity.policy_bench import bench_policies
@@ -469,8 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine = targets.add_parser("engine", help="fdfo vs sync vs static tokens/s on one closed workload")
     engine.add_argument("--requests", type=int, default=256, help="requests (default 256)")
     engine.add_argument("--rounds", type=int, default=3,
-                        help="rounds of fdfo, sync, static, interleaved; ratios are the median over the rounds, "
-                             "with their spread (default 3)")
+                        help="rounds of fdfo, sync, static and fdfo with a separate KV-write forward, interleaved; "
+                             "ratios are the median over the rounds, with their spread (default 3)")
+    engine.add_argument("--workload", choices=["default", "hard"], default="default",
+                        help="default: 0 to 12 blanks a puzzle; hard: 8 to 12, so blocks take more steps")
     engine.add_argument("--calibration", metavar="FILE",
                         help="also write the simulator's calibration (step cost, step counts) here")
     policies = targets.add_parser(

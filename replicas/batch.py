@@ -39,5 +39,5 @@ class ScheduledBatch:
         return int(self.unit_count.sum())
 
     @property
-    def prompt_units(self) -> int:
+    def prefix_units(self) -> int:
         return int((~self.unit_is_block).sum())

@@ -43,5 +43,5 @@ class CalibrationLog:
         return {"step_periods": [(rows, units, period) for _, rows, units, period, _ in steps if period is not None],
                 "steps_per_block": dict(Counter(n for *_, block_steps in steps for n in block_steps)),
                 "blocks_per_request": dict(Counter(blocks for t, blocks in self.ends if t >= since)),
-                "prompt_units": sum(s[2] for s in steps),
+                "prefix_units": sum(s[2] for s in steps),
                 "requests_started": sum(1 for t in self.starts if t >= since)}

@@ -11,6 +11,7 @@ start of every step). ``replicas.async_engine`` runs it in a thread for asyncio 
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
@@ -66,7 +67,7 @@ class Engine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {spec.max_positions} positions")
         self.max_pages_per_request = self.max_model_len // size
         num_pages = config.num_pages or config.max_batch * self.max_pages_per_request + 1
-        budget = config.max_tokens_per_step or max(512, config.max_batch * size)
+        budget = config.max_tokens_per_step or max(2048, 2 * config.max_batch * size)
         if budget < config.max_batch * size:
             raise ValueError(f"max_tokens_per_step {budget} cannot hold {config.max_batch} blocks of {size}")
         default_name, default_params = resolve_algorithm(config, spec)
@@ -87,9 +88,11 @@ class Engine:
         self.outputs = OutputProcessor(tokenizer, spec.eos_token_id, clock)
         self.totals = EngineTotals()
         self._requests: dict[str, Request] = {}
+        self._deadlines: list[tuple[float, int, Request]] = []  # heap of (deadline, arrival order, request)
         self._inbox: list[tuple[str, Any]] = []
         self._inbox_lock = threading.Lock()
         self._ids = itertools.count()
+        self._arrivals = itertools.count()  # breaks deadline ties in the heap
         self.failed_steps_in_a_row = 0
         self._faults_to_inject = 0
 
@@ -213,7 +216,7 @@ class Engine:
             running=len(self.scheduler.running),
             blocks_committed=len(committed),
             block_steps=tuple(committed),
-            prompt_units=batch.prompt_units,
+            prefix_units=batch.prefix_units,
         )
         self.totals.record(stats)
         self.cost_model.observe_step(stats.batch_size, stats.step_s, stats.block_steps)
@@ -230,10 +233,16 @@ class Engine:
         rows = torch.tensor([r.row for r in requests])
         page_indices = torch.tensor([r.active_page_index for r in requests])
         blocks = self.rows.blocks(rows, page_indices)
-        done = self._run_algorithms(requests, logits, blocks).tolist()
+        fed_masks = (blocks == self.spec.mask_token_id).any(-1)
+        done = self._run_algorithms(requests, logits, blocks)
+        if self.config.fused_commit:
+            final = torch.tensor([r.algorithm.final_when_filled and r.finish_reason is None for r in requests])
+            done |= final & (blocks != self.spec.mask_token_id).all(-1)
         self.rows.write_blocks(rows, page_indices, blocks)
+        done = done.tolist()
         added = {i: self.outputs.commit_block(requests[i], blocks[i].tolist()) for i, d in enumerate(done) if d}
-        self.scheduler.update_from_step(done)
+        # a block committed at the step that filled it: its cached KV is the masked one
+        self.scheduler.update_from_step(done, kv_stale=fed_masks.tolist())
         for i, (new_ids, new_text) in added.items():
             request = requests[i]
             self.totals.output_tokens += len(new_ids)
@@ -284,6 +293,8 @@ class Engine:
                 if kind == "add":
                     self.cost_model.observe_arrival(item.arrival_time)
                     self._requests[item.request_id] = item
+                    if item.deadline is not None:
+                        heapq.heappush(self._deadlines, (item.deadline, next(self._arrivals), item))
                     self.scheduler.add(item)
                 else:
                     self._abort_now(item)
@@ -293,10 +304,13 @@ class Engine:
                     self._fail(item, f"the replica could not queue the request: {exc}", replica_fault=True)
 
     def _expire(self) -> None:
-        """End the requests past their deadline (``SamplingParams.timeout_s``)."""
+        """End the requests past their deadline (``SamplingParams.timeout_s``); those that
+        ended otherwise just leave the heap."""
         now = self.clock()
-        for request in [r for r in self._requests.values() if r.deadline is not None and now >= r.deadline]:
-            self._requests.pop(request.request_id, None)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            request = heapq.heappop(self._deadlines)[2]
+            if self._requests.pop(request.request_id, None) is None:
+                continue
             self._end(request, FinishReason.TIMEOUT,
                       f"the request ran past its deadline of {request.params.timeout_s:g} s")
             self.totals.requests_timed_out += 1

@@ -67,7 +67,7 @@ class ReplicaMonitor:
         """``busy_period_s``: wall time since the previous step when the engine went straight
         on to this one (see ``AsyncEngine``), else None."""
         with self._lock:
-            self._calibration.steps.append((time.time(), stats.batch_size, stats.prompt_units, busy_period_s,
+            self._calibration.steps.append((time.time(), stats.batch_size, stats.prefix_units, busy_period_s,
                                             stats.block_steps))
             self._window.append((stats.active_rows, stats.step_s))
             self._steps += 1

@@ -83,6 +83,7 @@ class Request:
     block_index: int = 0  # index of the active answer block
     block_steps: int = 0  # forwards of the active block so far
     committed_block_steps: list[int] = field(default_factory=list)
+    unwritten_page: int | None = None  # page index of a committed block whose final KV is not cached yet
     num_steps: int = 0
     algorithm_state: Any = None
     # what it produced: changed by the output processor (replicas.output) and the engine

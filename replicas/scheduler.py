@@ -84,12 +84,15 @@ class Scheduler:
         self._held_since = None
         return self._build_batch()
 
-    def update_from_step(self, done: Sequence[bool]) -> None:
+    def update_from_step(self, done: Sequence[bool], kv_stale: Sequence[bool] | None = None) -> None:
         """Book the outcome of the last batch: ``done[i]`` says whether the algorithm
         finished the block of ``stepped[i]``, which the caller has committed to the output
-        (a request whose output that ended has its finish reason). A request removed since
-        it was scheduled (its algorithm failed) is skipped."""
-        for request, block_done in zip(self.stepped, done, strict=True):
+        (a request whose output that ended has its finish reason); ``kv_stale[i]``: that
+        forward fed the block with masks, so its final KV is still to be written (a fused
+        commit, see ``_build_batch``). A request removed since it was scheduled (its
+        algorithm failed) is skipped."""
+        kv_stale = kv_stale or [False] * len(done)
+        for request, block_done, stale in zip(self.stepped, done, kv_stale, strict=True):
             if request.phase is not Phase.DENOISE:
                 continue
             request.block_steps += 1
@@ -97,6 +100,8 @@ class Scheduler:
             if block_done:
                 request.committed_block_steps.append(request.block_steps)
                 request.phase = Phase.BLOCK_DONE if request.finish_reason is None else Phase.FINISHED
+                if stale and request.phase is Phase.BLOCK_DONE:
+                    request.unwritten_page = request.active_page_index
 
     # ---- rounds and admission ----------------------------------------------------------
     def _end_round(self) -> bool:
@@ -169,8 +174,17 @@ class Scheduler:
 
     # ---- the batch -------------------------------------------------------------------
     def _build_batch(self) -> ScheduledBatch:
+        """Prompt chunks within the token budget, then every running row's active block.
+
+        A block committed at the step that filled its last mask (a fused commit) has the
+        KV of its masked input in the cache: the row's next forward also feeds the block's
+        final tokens as a prefix unit, which writes its KV, and the row's new block, later
+        in the same forward, attends to it. A row that waits for its round to end
+        (sync, static) writes it with its idle unit instead of to the scratch page."""
         size = self.block_length
-        budget = self.max_tokens_per_step - size * sum(r.phase is not Phase.PREFILL for r in self.running)
+        budget = self.max_tokens_per_step - size * sum(
+            (r.phase is not Phase.PREFILL) + (r.phase is Phase.DENOISE and r.unwritten_page is not None)
+            for r in self.running)
         unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch = [], [], [], [], []
         stepped, block_steps = [], []
 
@@ -198,7 +212,11 @@ class Scheduler:
                         self.scheduled.append(request)
                     continue
             idle = request.phase is not Phase.DENOISE
-            add_unit(request, request.active_page_index, size, True, scratch=idle)
+            if request.unwritten_page is not None and not idle:
+                add_unit(request, request.unwritten_page, size, False)
+            add_unit(request, request.active_page_index, size, True,
+                     scratch=idle and request.unwritten_page is None)
+            request.unwritten_page = None
             stepped.append(not idle)
             block_steps.append(request.block_steps)
             self.scheduled.append(request)

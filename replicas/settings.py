@@ -26,7 +26,7 @@ class EngineConfig(BaseModel):
     num_pages: int | None = Field(
         None, ge=2, description="KV pages (default: enough for max_batch requests of max_model_len)")
     max_tokens_per_step: int | None = Field(
-        None, ge=1, description="new-token budget per step, chunked prefill (default: max(512, max_batch x block length))")
+        None, ge=1, description="new-token budget per step: every row's block and its commit write always run, prompt chunks fill the rest (default: max(2048, 2 x max_batch x block length))")
     max_model_len: int | None = Field(None, ge=1, description="longest prompt + output (default: the model's limit)")
     device: str = Field("cpu", description="torch device ('cpu', 'cuda')")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
@@ -42,6 +42,9 @@ class EngineConfig(BaseModel):
                     "attention (block_causal|bidirectional), default_algorithm, default_algorithm_params")
     fill_timeout_s: float | None = Field(
         None, ge=0, description="fixed_fill mode: batch fill timeout in seconds (default: tuned online)")
+    fused_commit: bool = Field(
+        True, description="commit a block at the step that fills its last mask and write its final KV in the "
+                          "row's next forward, instead of one more forward of the block (rules that edit wait)")
     fdfo_fill_hold: bool = Field(
         True, description="fdfo mode: an under-filled step may wait briefly for arrivals (replicas.fill_timeout)")
     algorithm: str | None = Field(

@@ -16,7 +16,7 @@ class StepStats:
     running: int
     blocks_committed: int
     block_steps: tuple[int, ...]  # steps taken by each block committed this step
-    prompt_units: int = 0  # page-sized units of prompt (prefill) in the forward, besides the block units
+    prefix_units: int = 0  # page-sized units besides the block units: prompt chunks and commit writes
 
     @property
     def overhead_s(self) -> float:

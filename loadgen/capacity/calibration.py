@@ -195,12 +195,12 @@ def at_rate(calibration: Mapping, rate: float) -> dict:
 
 
 def fit_calibration(step_records: Iterable[tuple[int, int, float]], block_steps: Iterable[int],
-                    blocks_per_request: Iterable[int], prompt_units_per_request: float, max_batch: int,
+                    blocks_per_request: Iterable[int], prefix_units_per_request: float, max_batch: int,
                     source: str = "fit") -> dict:
     """A calibration from an engine run: per-step (rows, prompt units, seconds), steps of
     every committed block, blocks of every finished request, mean prompt units per request."""
     return validate_calibration({
-        **step_calibration(step_records, prompt_units_per_request), "max_batch": max_batch,
+        **step_calibration(step_records, prefix_units_per_request), "max_batch": max_batch,
         "steps_per_block": Counter(int(s) for s in block_steps),
         "blocks_per_request": Counter(int(k) for k in blocks_per_request),
         "source": source})

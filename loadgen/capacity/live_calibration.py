@@ -73,12 +73,12 @@ def pool_reports(answer: dict) -> dict:
     if not periods:
         raise LoadgenError("no replica took two steps back to back; calibrate at higher rates")
     started = sum(report["requests_started"] for report in reports)
-    units_per_request = sum(report["prompt_units"] for report in reports) / max(1, started)
+    units_per_request = sum(report["prefix_units"] for report in reports) / max(1, started)
     counts = {name: sum((Counter({int(k): v for k, v in report[name].items()}) for report in reports), Counter())
               for name in ("steps_per_block", "blocks_per_request")}
     return {**step_calibration(periods, units_per_request), **counts, "max_batch": answer["max_batch"],
             "replicas_stepping": sum(1 for report in reports if report["step_periods"]),
-            "step_periods": periods, "prompt_units_per_request": units_per_request}
+            "step_periods": periods, "prefix_units_per_request": units_per_request}
 
 
 def request_overheads(records: list[Record], points: int = 100) -> list[float]:
@@ -122,7 +122,7 @@ async def calibrate(endpoint: client.Endpoint, plan: CalibrationPlan, quiet: boo
             heard = max(heard, pooled["replicas_stepping"])
     c0s, c1, c2 = fit_step_cost_by_load([load["step_periods"] for load in loads])
     for point, load, c0 in zip(points, loads, c0s):
-        point.update(step_calibration(load["step_periods"], load["prompt_units_per_request"], cost=(c0, c1, c2)))
+        point.update(step_calibration(load["step_periods"], load["prefix_units_per_request"], cost=(c0, c1, c2)))
     described = ", ".join(f"{p['rate']:g}/s: c0 {p['c0'] * 1e3:.1f} ms, c1 {p['c1'] * 1e3:.2f} ms, "
                           f"overhead {statistics.median(p['request_overhead_s']) * 1e3:.0f} ms" for p in points)
     return validate_calibration({

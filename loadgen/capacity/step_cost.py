@@ -13,13 +13,13 @@ import numpy as np
 
 def fit_step_cost_with_prefill(step_records: Iterable[tuple[int, int, float]]) -> tuple[float, float, float]:
     """Non-negative least squares ``(c0, c1, c2)`` of
-    ``step_seconds ≈ c0 + c1 * rows + c2 * prompt_units``."""
+    ``step_seconds ≈ c0 + c1 * rows + c2 * prefix_units``."""
     (c0,), c1, c2 = fit_step_cost_by_load([step_records])
     return c0, c1, c2
 
 
 def fit_step_cost_by_load(loads: Sequence[Iterable[tuple[int, int, float]]]) -> tuple[list[float], float, float]:
-    """Non-negative least squares of ``step_seconds ≈ c0[load] + c1 * rows + c2 * prompt_units``
+    """Non-negative least squares of ``step_seconds ≈ c0[load] + c1 * rows + c2 * prefix_units``
     over (rows, prompt units, seconds) of steps measured at several loads: one fixed cost
     per load, per-row and per-prompt-unit costs shared. The shared terms are compute;
     what the serving path takes from the engine grows with load and lands in each load's
@@ -45,7 +45,7 @@ def fit_step_cost_by_load(loads: Sequence[Iterable[tuple[int, int, float]]]) -> 
     return [float(c) for c in best[1][:rows]], float(best[1][rows]), float(best[1][units])
 
 
-def step_calibration(step_records: Iterable[tuple[int, int, float]], prompt_units_per_request: float,
+def step_calibration(step_records: Iterable[tuple[int, int, float]], prefix_units_per_request: float,
                      points: int = 100, path_length: int = 8192,
                      cost: tuple[float, float, float] | None = None) -> dict:
     """The step-cost part of a simulator calibration from (rows, prompt units, seconds) of
@@ -65,7 +65,7 @@ def step_calibration(step_records: Iterable[tuple[int, int, float]], prompt_unit
         raise ValueError("step calibration: the fitted cost is not positive for every step")
     ratios = data[:, 2] / fitted
     spread = np.quantile(ratios, (np.arange(points) + 0.5) / points)
-    return {"c0": c0, "c1": c1, "prefill_s": c2 * prompt_units_per_request,
+    return {"c0": c0, "c1": c1, "prefill_s": c2 * prefix_units_per_request,
             "step_cost_spread": [round(float(r), 4) for r in spread],
             "step_cost_path": rank_levels(ratios[-path_length:])}
 

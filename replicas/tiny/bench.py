@@ -1,5 +1,5 @@
 """`dllm-serve bench engine`: fdfo vs sync vs static, side by side on one closed workload,
-interleaved in rounds."""
+interleaved in rounds, each measured against its own zero-overhead ideal."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
+
+from replicas.closed_batch_model import ClosedRequest, closed_batch_seconds
+from replicas.cost_model import fit_step_cost
 from replicas.engine import Engine, EngineConfig
 from replicas.models import load_model, load_tokenizer
 from replicas.tiny import task
@@ -14,6 +18,9 @@ from replicas.tiny.evaluation import score, tiny_params
 
 BENCH_SEED = 7
 BENCH_MODES = ("fdfo", "sync", "static")
+SEPARATE_KV = "fdfo_separate_kv_write"  # fdfo with one more forward per block to write its KV
+# blank-count weights (0..12 blanks) per workload: "hard" has 8 to 12 blanks a puzzle
+WORKLOADS = {"default": None, "hard": np.array([0] * 8 + [1] * 5, dtype=float)}
 
 
 def run_closed_batch(engine: Engine, prompts: list[str], params) -> tuple[list, list, float]:
@@ -24,54 +31,92 @@ def run_closed_batch(engine: Engine, prompts: list[str], params) -> tuple[list, 
     return outputs, steps, time.perf_counter() - start
 
 
+def fit_forward_cost(steps) -> tuple[float, float]:
+    """``(c0, c1)`` of ``forward seconds = c0 + c1 * tokens`` over step stats, both >= 0."""
+    return fit_step_cost((s.num_tokens, s.forward_s) for s in steps)
+
+
 def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 16, rounds: int = 3,
-                 on_fdfo_run: Callable[[list, list], None] | None = None) -> dict:
+                 workload: str = "default", on_fdfo_run: Callable[[list, list], None] | None = None) -> dict:
     """Tokens per second of each mode on the same heterogeneous tiny-task workload.
 
-    The workload mixes 1 to 6 puzzles per request with 0 to 12 blanks per puzzle, so
-    requests end at different blocks and blocks take different numbers of steps. The
-    modes run interleaved, ``rounds`` times (fdfo, sync, static, fdfo, ...), and each
-    ratio is the median of its per-round values, reported with their spread (max - min):
-    a machine whose speed drifts during the run moves all modes of a round alike.
-    ``tokens_per_forward``: committed tokens per row-forward (rows in a forward, idle KV
-    writes included). ``on_fdfo_run(step_stats, outputs)`` receives the first fdfo run
-    (e.g. to fit a calibration).
+    The default workload mixes 1 to 6 puzzles per request with 0 to 12 blanks per puzzle,
+    so requests end at different blocks and blocks take different numbers of steps;
+    ``hard`` has 8 to 12 blanks a puzzle. The configurations run interleaved, ``rounds``
+    times (fdfo, sync, static, fdfo with a separate KV-write forward per block, fdfo, ...),
+    and each ratio is the median of its per-round values, reported with their spread
+    (max - min): a machine whose speed drifts during the run moves a whole round alike.
+    A closed batch has no arrivals to wait for, so fdfo does not hold steps for them.
+
+    ``tokens_per_forward``: committed tokens per row-forward (rows in a forward, idle rows
+    included). ``ideal_fdfo_over_*``: the ratio with zero host overhead, from each mode's
+    own measured steps per block (``replicas.closed_batch_model``) and a forward cost
+    ``c0 + c1 * tokens`` fitted to the run's forwards; ``efficiency_vs_ideal``: measured /
+    ideal. ``on_fdfo_run(step_stats, outputs)`` receives the first fdfo run (e.g. to fit
+    a calibration).
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    requests = task.make_requests(num_requests, BENCH_SEED)
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose one of {sorted(WORKLOADS)}")
+    requests = task.make_requests(num_requests, BENCH_SEED, blank_weights=WORKLOADS[workload])
     prompts = [r.prompt for r in requests]
     net, tokenizer = load_model(model), load_tokenizer(model)
     params = tiny_params()
-    warmup = Engine(net, tokenizer, EngineConfig(max_batch=max_batch))
-    run_closed_batch(warmup, prompts[:max_batch], params)
-    runs: dict[str, list[dict]] = {mode: [] for mode in BENCH_MODES}
+    configs = {mode: EngineConfig(mode=mode, max_batch=max_batch, fdfo_fill_hold=False) for mode in BENCH_MODES}
+    configs[SEPARATE_KV] = EngineConfig(max_batch=max_batch, fdfo_fill_hold=False, fused_commit=False)
+    run_closed_batch(Engine(net, tokenizer, configs["fdfo"]), prompts[:max_batch], params)  # warm-up
+    runs: dict[str, list[dict]] = {label: [] for label in configs}
     for round_index in range(rounds):
-        for mode in BENCH_MODES:
-            engine = Engine(net, tokenizer, EngineConfig(mode=mode, max_batch=max_batch))
-            outputs, steps, wall = run_closed_batch(engine, prompts, params)
-            if mode == "fdfo" and round_index == 0 and on_fdfo_run is not None:
+        for label, config in configs.items():
+            outputs, steps, wall = run_closed_batch(Engine(net, tokenizer, config), prompts, params)
+            if label == "fdfo" and round_index == 0 and on_fdfo_run is not None:
                 on_fdfo_run(steps, outputs)
-            runs[mode].append({"outputs": outputs, "steps": steps, "wall": wall, **score(requests, outputs)})
-    result: dict = {"requests": num_requests, "max_batch": max_batch, "rounds": rounds, "accuracy": {},
-                    "tokens_per_forward": {}}
-    for mode, mode_runs in runs.items():
-        tokens_per_s = [r["output_tokens"] / r["wall"] for r in mode_runs]
-        result[f"{mode}_tokens_per_s"] = round(statistics.median(tokens_per_s), 1)
-        result[f"{mode}_seconds"] = round(statistics.median(r["wall"] for r in mode_runs), 2)
-        result[f"{mode}_steps"] = len(mode_runs[0]["steps"])
-        result["accuracy"][mode] = round(mode_runs[0]["request_accuracy"], 4)
-        row_forwards = sum(s.batch_size for s in mode_runs[0]["steps"])
-        result["tokens_per_forward"][mode] = round(mode_runs[0]["output_tokens"] / row_forwards, 3)
+            runs[label].append({"outputs": outputs, "steps": steps, "wall": wall, **score(requests, outputs)})
+
+    result: dict = {"workload": workload, "requests": num_requests, "max_batch": max_batch, "rounds": rounds,
+                    "accuracy": {}, "tokens_per_forward": {}, "forwards_per_block_histogram": {}}
+    for label, label_runs in runs.items():
+        first = label_runs[0]
+        result[f"{label}_tokens_per_s"] = round(statistics.median(_tokens_per_s(r) for r in label_runs), 1)
+        result[f"{label}_seconds"] = round(statistics.median(r["wall"] for r in label_runs), 2)
+        result[f"{label}_steps"] = len(first["steps"])
+        result["accuracy"][label] = round(first["request_accuracy"], 4)
+        row_forwards = sum(s.batch_size for s in first["steps"])
+        result["tokens_per_forward"][label] = round(first["output_tokens"] / row_forwards, 3)
+        result["forwards_per_block_histogram"][label] = first["steps_per_block_histogram"]
     fdfo = runs["fdfo"]
     steps = [s for r in fdfo for s in r["steps"]]
     result["compute_ratio"] = round(statistics.median(sum(s.forward_s for s in r["steps"]) / r["wall"] for r in fdfo), 3)
     result["overhead_ms_per_step_p50"] = round(statistics.median(s.overhead_s for s in steps) * 1e3, 3)
     result["forward_ms_per_step_p50"] = round(statistics.median(s.forward_s for s in steps) * 1e3, 3)
-    result["steps_per_block_histogram"] = fdfo[0]["steps_per_block_histogram"]
+    result["overhead_ms_per_step_p50_at_full_batch"] = round(statistics.median(
+        [s.overhead_s for s in steps if s.batch_size == max_batch] or [0.0]) * 1e3, 3)
+    result["fused_commit_speedup"], result["fused_commit_speedup_spread"] = _median_ratio(fdfo, runs[SEPARATE_KV])
+
+    c0, c1 = fit_forward_cost([s for label_runs in runs.values() for s in label_runs[0]["steps"]])
+    result["forward_cost_fit_ms"] = {"c0": round(c0 * 1e3, 3), "c1_per_token": round(c1 * 1e3, 5)}
+    block_length = net.spec.block_length
+    ideal_tokens_per_s = {
+        mode: runs[mode][0]["output_tokens"] / closed_batch_seconds(
+            mode, max_batch, [ClosedRequest(o.num_prompt_tokens, o.block_steps) for o in runs[mode][0]["outputs"]],
+            block_length, c0, c1)
+        for mode in BENCH_MODES}
+    result["efficiency_vs_ideal"] = {}
     for baseline in ("sync", "static"):
-        ratios = [(f["output_tokens"] / f["wall"]) / (b["output_tokens"] / b["wall"])
-                  for f, b in zip(fdfo, runs[baseline])]
-        result[f"fdfo_over_{baseline}"] = round(statistics.median(ratios), 2)
-        result[f"fdfo_over_{baseline}_spread"] = round(max(ratios) - min(ratios), 2)
+        ratio, spread = _median_ratio(fdfo, runs[baseline])
+        ideal = ideal_tokens_per_s["fdfo"] / ideal_tokens_per_s[baseline]
+        result[f"fdfo_over_{baseline}"], result[f"fdfo_over_{baseline}_spread"] = ratio, spread
+        result[f"ideal_fdfo_over_{baseline}"] = round(ideal, 2)
+        result["efficiency_vs_ideal"][f"fdfo_over_{baseline}"] = round(ratio / ideal, 3)
     return result
+
+
+def _tokens_per_s(run: dict) -> float:
+    return run["output_tokens"] / run["wall"]
+
+
+def _median_ratio(runs: list[dict], baselines: list[dict]) -> tuple[float, float]:
+    """Median and spread (max - min) of the per-round tokens/s ratios."""
+    ratios = [_tokens_per_s(run) / _tokens_per_s(base) for run, base in zip(runs, baselines)]
+    return round(statistics.median(ratios), 2), round(max(ratios) - min(ratios), 2)

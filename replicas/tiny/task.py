@@ -137,11 +137,12 @@ def format_answer(solutions: tuple[str, ...] | list[str]) -> str:
     return "".join(solutions)
 
 
-def make_requests(n: int, seed: int) -> list[Request]:
-    """``n`` requests with k uniform in 1..6 and blank counts uniform in 0..12 (seeded)."""
+def make_requests(n: int, seed: int, blank_weights: np.ndarray | None = None) -> list[Request]:
+    """``n`` requests with k uniform in 1..6 and blank counts drawn from ``blank_weights``
+    (see ``sample_puzzles``; default uniform in 0..12), seeded."""
     rng = np.random.default_rng(seed)
     counts = rng.integers(1, MAX_PUZZLES + 1, size=n).tolist()
-    givens, solutions = sample_puzzles(sum(counts), rng)
+    givens, solutions = sample_puzzles(sum(counts), rng, blank_weights=blank_weights)
     requests, start = [], 0
     for k in counts:
         requests.append(Request(

@@ -54,7 +54,7 @@ def test_calibration_records_reach_the_exporter_per_replica_and_window():
     monitor = ReplicaMonitor(initial_row_steps_per_s=100.0)
     step = dict(active_rows=2, num_tokens=32, forward_s=0.009, step_s=0.01, waiting=0, running=2)
     monitor.request_started("a", cost=10)
-    monitor.on_step(StepStats(batch_size=2, blocks_committed=0, block_steps=(), prompt_units=7, **step))
+    monitor.on_step(StepStats(batch_size=2, blocks_committed=0, block_steps=(), prefix_units=7, **step))
     monitor.on_step(StepStats(batch_size=2, blocks_committed=1, block_steps=(2,), **step), 0.012)
     monitor.request_finished("a", "stop", 0.1, 0.05, 16, blocks=1)
     exporter = MetricsExporter()
@@ -62,9 +62,9 @@ def test_calibration_records_reach_the_exporter_per_replica_and_window():
     exporter.push_replica("r2", ReplicaMonitor(100.0).report())
     summary = exporter.calibration(window_s=60)
     assert summary["r1"] == {"step_periods": [(2, 0, 0.012)], "steps_per_block": {2: 1}, "blocks_per_request": {1: 1},
-                             "prompt_units": 7, "requests_started": 1}
+                             "prefix_units": 7, "requests_started": 1}
     assert summary["r2"]["step_periods"] == [] and summary["r2"]["requests_started"] == 0
     exporter.push_replica("r1", monitor.report())  # nothing new: the records are not counted twice
-    assert exporter.calibration(window_s=60)["r1"]["prompt_units"] == 7
+    assert exporter.calibration(window_s=60)["r1"]["prefix_units"] == 7
     time.sleep(0.05)
     assert exporter.calibration(window_s=0.01)["r1"]["step_periods"] == []  # older than the window

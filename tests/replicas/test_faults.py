@@ -75,6 +75,31 @@ def test_a_deadline_ends_the_request_and_frees_its_pages(make_engine):
     assert pool_is_free(engine)
 
 
+def test_deadlines_expire_in_their_own_order_and_spare_finished_requests(make_engine):
+    """Deadlines of 9, 3 and 6 s, and a short request with 4 s that finishes first:
+    each request times out when its own deadline passes, the finished one never."""
+    now = [0.0]
+    engine = make_engine(max_batch=4)
+    engine.clock = engine.scheduler.clock = engine.outputs.clock = lambda: now[0]
+    ended = {}
+
+    def record(output):
+        if output.finished:
+            ended[output.request_id] = output.finish_reason
+
+    for name, timeout, tokens in (("nine", 9.0, 128), ("three", 3.0, 128), ("six", 6.0, 128), ("short", 4.0, 1)):
+        engine.add_request("abc", SamplingParams(max_tokens=tokens, ignore_eos=True, timeout_s=timeout),
+                           request_id=name, on_output=record)
+    while "short" not in ended:
+        engine.step()
+    for at, expected in ((3.5, {"three"}), (6.0, {"three", "six"}), (9.0, {"three", "six", "nine"})):
+        now[0] = at
+        engine.step()
+        assert {r for r, reason in ended.items() if reason is FinishReason.TIMEOUT} == expected
+    assert ended["short"] is FinishReason.LENGTH and engine.totals.requests_timed_out == 3
+    assert pool_is_free(engine)
+
+
 @pytest.fixture
 def replica(monkeypatch):
     replica = EngineReplica("tiny", EngineConfig(max_batch=4), metrics_actor=None, stall_timeout_s=0.5,

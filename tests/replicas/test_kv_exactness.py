@@ -30,31 +30,68 @@ def dense_block_logits(model, prompt_ids, committed, block):
     return logits[0, -size:]
 
 
-@pytest.mark.parametrize("prompt_len,budget", [(37, None), (16, None), (100, 32), (5, 16)])
-def test_cached_logits_equal_uncached(make_engine, random_model, prompt_len, budget):
-    engine = make_engine(max_batch=1, max_tokens_per_step=budget)
-    prompt = [5 + (i * 7) % 40 for i in range(prompt_len)]
+def record_block_logits(engine):
+    """Wrap the engine's forward: per stepped row, (prompt, committed blocks, active block, logits)."""
     seen = []
     forward = engine.runner.forward
+    size = engine.block_length
 
     def spy(batch):
-        request = engine.scheduler.stepped[0] if engine.scheduler.stepped else None
-        block = None
-        if request is not None:
-            block = engine.rows.blocks(torch.tensor([request.row]),
-                                       torch.tensor([request.active_page_index]))[0].tolist()
-            committed = [request.output_ids[j * 16:(j + 1) * 16] for j in range(request.block_index)]
+        requests = list(engine.scheduler.stepped)
+        blocks = engine.rows.blocks(torch.tensor([r.row for r in requests], dtype=torch.long),
+                                    torch.tensor([r.active_page_index for r in requests], dtype=torch.long)).tolist()
+        committed = [[r.output_ids[j * size:(j + 1) * size] for j in range(r.block_index)] for r in requests]
         logits, seconds = forward(batch)
-        if block is not None:
-            seen.append((committed, block, logits[0]))
+        stepped_logits = logits[batch.stepped] if len(logits) else logits
+        for k, request in enumerate(requests):
+            seen.append((request.prompt_ids, committed[k], blocks[k], stepped_logits[k]))
         return logits, seconds
 
     engine.runner.forward = spy
+    return seen
+
+
+def assert_dense_equal(model, seen):
+    for prompt, committed, block, logits in seen:
+        torch.testing.assert_close(logits, dense_block_logits(model, prompt, committed, block), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fused_commit", [True, False])
+@pytest.mark.parametrize("prompt_len,budget", [(37, None), (16, None), (100, 32), (5, 16)])
+def test_cached_logits_equal_uncached(make_engine, random_model, prompt_len, budget, fused_commit):
+    engine = make_engine(max_batch=1, max_tokens_per_step=budget, fused_commit=fused_commit)
+    prompt = [5 + (i * 7) % 40 for i in range(prompt_len)]
+    seen = record_block_logits(engine)
     engine.generate([prompt], SamplingParams(max_tokens=48, ignore_eos=True))
     assert len(seen) >= 3
-    for committed, block, logits in seen:
-        expected = dense_block_logits(random_model, prompt, committed, block)
-        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert_dense_equal(random_model, seen)
+
+
+@pytest.mark.parametrize("mode", ["fdfo", "sync", "static"])
+def test_fused_commit_writes_every_committed_block_before_it_is_attended(make_engine, random_model, mode):
+    """Rows that finish blocks at different steps (threshold 0 fills a block in one step;
+    the untrained model meets 0.9 nowhere, one position a step), fused commits: every
+    block's logits equal the dense forward over the committed blocks' final tokens. fdfo
+    writes each non-final block as a prefix unit of the row's next forward; sync and
+    static write some with the idle unit of a row that waits for its round instead."""
+    engine = make_engine(max_batch=4, mode=mode)
+    size = engine.block_length
+    prompts = [[5 + (i * k) % 40 for i in range(n)] for k, n in ((7, 37), (3, 16), (5, 9), (11, 50))]
+    max_tokens, thresholds = (48, 32, 64, 16), (0.9, 0.0, 0.0, 0.9)
+    seen = record_block_logits(engine)
+    steps = []
+    engine.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True, algorithm="fast_dllm_threshold",
+                                             algorithm_params={"threshold": t})
+                              for m, t in zip(max_tokens, thresholds)], on_step=steps.append)
+    assert any(committed for _, committed, _, _ in seen)
+    assert_dense_equal(random_model, seen)
+    prompt_pages = sum(-(-len(p) // size) for p in prompts)
+    commit_writes = sum(s.prefix_units for s in steps) - prompt_pages
+    non_final_blocks = sum(m // size - 1 for m in max_tokens)
+    if mode == "fdfo":
+        assert commit_writes == non_final_blocks
+    else:
+        assert 0 <= commit_writes < non_final_blocks
 
 
 def test_runner_works_from_the_plain_batch_alone(random_model):

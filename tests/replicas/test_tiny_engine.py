@@ -2,13 +2,13 @@
 
 import pytest
 
-from algorithms import available_algorithms
+from algorithms import available_algorithms, get_algorithm
 from replicas.engine import Engine, EngineConfig
 from replicas.models import load_model, load_tokenizer
 from replicas.request import SamplingParams
 from replicas.batching import SchedulerMode
 from replicas.tiny import task
-from replicas.tiny.bench import bench_engine
+from replicas.tiny.bench import BENCH_SEED, SEPARATE_KV, WORKLOADS, bench_engine
 from replicas.tiny.evaluation import evaluate_tiny
 from replicas.tiny.task import MAX_TOKENS as TINY_MAX_TOKENS
 
@@ -34,17 +34,24 @@ def test_every_algorithm_is_covered():
 
 @pytest.mark.parametrize("case", ALGORITHM_CASES)
 def test_modes_are_byte_identical_at_batch_1(tiny, case):
-    """Every scheduler mode produces the same tokens for 50 prompts at batch size 1."""
+    """Every scheduler mode produces the same tokens for 30 prompts at batch size 1, and so
+    does fdfo with a separate forward to write each block's KV (``fused_commit=False``),
+    which takes one more step per block, unless the rule may edit after the last fill."""
     net, tokenizer = tiny
-    requests = [r for r in task.heldout_requests() if len(r.puzzles) <= 2][:50]
-    params = SamplingParams(max_tokens=TINY_MAX_TOKENS, algorithm=case.split(" ")[0],
-                            algorithm_params=ALGORITHM_CASES[case])
-    outputs = {}
-    for mode in SchedulerMode:
-        engine = Engine(net, tokenizer, EngineConfig(mode=mode.value, max_batch=1))
-        outputs[mode] = [o.new_token_ids for o in engine.generate([r.prompt for r in requests], params)]
-    assert len(outputs[SchedulerMode.FDFO]) == 50 and all(outputs[SchedulerMode.FDFO])
-    assert all(outputs[mode] == outputs[SchedulerMode.FDFO] for mode in SchedulerMode)
+    requests = [r for r in task.heldout_requests() if len(r.puzzles) <= 2][:30]
+    name = case.split(" ")[0]
+    params = SamplingParams(max_tokens=TINY_MAX_TOKENS, algorithm=name, algorithm_params=ALGORITHM_CASES[case])
+    configs = {mode.value: EngineConfig(mode=mode.value, max_batch=1) for mode in SchedulerMode}
+    configs["fdfo, separate KV write"] = EngineConfig(max_batch=1, fused_commit=False)
+    outputs = {label: Engine(net, tokenizer, config).generate([r.prompt for r in requests], params)
+               for label, config in configs.items()}
+    tokens = {label: [o.new_token_ids for o in runs] for label, runs in outputs.items()}
+    assert len(tokens["fdfo"]) == 30 and all(tokens["fdfo"])
+    assert all(tokens[label] == tokens["fdfo"] for label in configs)
+    steps = {label: sum(o.num_steps for o in outputs[label]) for label in ("fdfo", "fdfo, separate KV write")}
+    blocks = sum(len(o.block_steps) for o in outputs["fdfo"])
+    saved = blocks if get_algorithm(name).final_when_filled else 0
+    assert steps["fdfo, separate KV write"] - steps["fdfo"] == saved
 
 
 def test_accuracy_in_both_modes_at_batch_1_and_16():
@@ -57,18 +64,30 @@ def test_accuracy_in_both_modes_at_batch_1_and_16():
     assert len(histogram) >= 5  # steps per block spread over at least five levels
 
 
-def test_bench_engine_report_is_consistent():
-    result = bench_engine("tiny", num_requests=48, max_batch=16, rounds=2)
-    for mode in ("fdfo", "sync", "static"):
-        assert result[f"{mode}_tokens_per_s"] > 0
-        assert 0 < result["tokens_per_forward"][mode] <= 16  # at most a block per row-forward
+@pytest.mark.parametrize("workload", ["default", "hard"])
+def test_bench_engine_report_is_consistent(workload):
+    result = bench_engine("tiny", num_requests=48, max_batch=16, rounds=2, workload=workload)
+    labels = ("fdfo", "sync", "static", SEPARATE_KV)
+    for label in labels:
+        assert result[f"{label}_tokens_per_s"] > 0
+        assert 0 < result["tokens_per_forward"][label] <= 16  # at most a block per row-forward
     for baseline in ("sync", "static"):
         assert result[f"fdfo_over_{baseline}"] > 0 and result[f"fdfo_over_{baseline}_spread"] >= 0
         # the baselines keep idle rows in their forwards: fewer tokens per row-forward
         assert result["tokens_per_forward"]["fdfo"] >= result["tokens_per_forward"][baseline]
+        assert result[f"ideal_fdfo_over_{baseline}"] >= 1  # fdfo never computes an idle row
+        assert result["efficiency_vs_ideal"][f"fdfo_over_{baseline}"] > 0
+    # the separate KV write is one more forward for every block
+    fused, separate = (result["forwards_per_block_histogram"][k] for k in ("fdfo", SEPARATE_KV))
+    assert sum(fused.values()) == sum(separate.values())
+    assert min(separate) == min(fused) + 1 and max(separate) == max(fused) + 1
+    assert result["tokens_per_forward"]["fdfo"] > result["tokens_per_forward"][SEPARATE_KV]
+    assert result["fused_commit_speedup"] > 0
     assert 0 < result["compute_ratio"] <= 1
     assert result["overhead_ms_per_step_p50"] > 0
-    assert sum(result["steps_per_block_histogram"].values()) > 48
-    # the baselines do the same useful work in more steps
-    assert result["sync_steps"] >= result["fdfo_steps"] and result["static_steps"] >= result["sync_steps"]
-    assert set(result["accuracy"]) == {"fdfo", "sync", "static"}
+
+
+def test_the_hard_workload_has_8_to_12_blanks_a_puzzle():
+    puzzles = [p for r in task.make_requests(64, BENCH_SEED, blank_weights=WORKLOADS["hard"]) for p in r.puzzles]
+    blanks = {p.count(task.BLANK) for p in puzzles}
+    assert blanks <= set(range(8, 13)) and len(blanks) >= 4, blanks

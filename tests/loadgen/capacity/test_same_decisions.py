@@ -82,7 +82,7 @@ def run_engine(tiny, mode: str, hold: bool, times: list[float], prompts: list[st
             now = min(np.inf if wake is None else wake, times[sent] if sent < len(times) else np.inf)
             continue
         costs.append(stats.step_s)
-        taken.append((stats.batch_size, stats.prompt_units // PROMPT_PAGES))
+        taken.append((stats.batch_size, stats.prefix_units // PROMPT_PAGES))
         now += stats.step_s
         ends.append(now)
     assert len(block_steps) == len(times)

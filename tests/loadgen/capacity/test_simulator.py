@@ -142,7 +142,7 @@ def _steps(n: int, seed: int, factor=None) -> list[tuple[int, int, float]]:
 
 def test_fit_recovers_step_cost_prefill_and_distributions():
     records = [(r, u, t + e) for (r, u, t), e in zip(_steps(500, 0), np.random.default_rng(9).normal(0, 1e-4, 500))]
-    cal = fit_calibration(records, [2, 2, 3, 2], [1, 2, 2, 3], prompt_units_per_request=8, max_batch=16,
+    cal = fit_calibration(records, [2, 2, 3, 2], [1, 2, 2, 3], prefix_units_per_request=8, max_batch=16,
                           source="synthetic")
     assert cal["c0"] == pytest.approx(0.004, abs=1e-4) and cal["c1"] == pytest.approx(0.0005, abs=1e-5)
     assert cal["prefill_s"] == pytest.approx(8 * 0.0003, rel=0.02)
