@@ -61,6 +61,25 @@ def rate_list(text: str) -> list[float]:
     return [positive_number(float)(item) for item in text.split(",") if item.strip()]
 
 
+def add_endpoint_options(parser, url_help: str = "base URL of the OpenAI-compatible server",
+                         max_tokens_help: str = "") -> None:
+    """--url, --model, --api-key and --max-tokens: the endpoint and requests every load
+    command sends (``parser``: a parser or an argument group)."""
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help=f"{url_help} (default http://127.0.0.1:8000)")
+    parser.add_argument("--model", help="model name (default: the first that GET /v1/models lists)")
+    parser.add_argument("--api-key", help="send 'Authorization: Bearer KEY'")
+    parser.add_argument("--max-tokens", type=positive_number(int), default=TINY_MAX_TOKENS, metavar="N",
+                        help=f"max_tokens of each request (default {TINY_MAX_TOKENS}{max_tokens_help})")
+
+
+def endpoint_from_args(args, **fields) -> client.Endpoint:
+    """The ``client.Endpoint`` of ``add_endpoint_options``' options and ``fields``."""
+    if not args.url.startswith(("http://", "https://")):
+        raise LoadgenError(f"--url must start with http:// or https://, got {args.url!r}")
+    return client.Endpoint(url=args.url.rstrip("/"), model=args.model, max_tokens=args.max_tokens,
+                           api_key=args.api_key, **fields)
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -93,18 +112,13 @@ def add_loadgen_parser(commands) -> argparse.ArgumentParser:
     load.add_argument("--seed", type=int, default=0, help="seed of the arrival times and prompts (default 0)")
 
     body = parser.add_argument_group("requests")
-    body.add_argument("--url", default="http://127.0.0.1:8000",
-                      help="base URL of the OpenAI-compatible server (default http://127.0.0.1:8000)")
-    body.add_argument("--model", help="model name (default: the first that GET /v1/models lists)")
-    body.add_argument("--api-key", help="send 'Authorization: Bearer KEY'")
+    add_endpoint_options(body, max_tokens_help=", room for the tiny task's longest answer; a trace line's "
+                                               "max_tokens wins")
     body.add_argument("--chat", action="store_true",
                       help="use /v1/chat/completions (one user message) instead of /v1/completions")
     body.add_argument("--prompt", metavar="TEXT",
                       help="send this prompt every time (default: seeded prompts of the tiny model's task, "
                            "drawn like its held-out set)")
-    body.add_argument("--max-tokens", type=positive_number(int), default=TINY_MAX_TOKENS, metavar="N",
-                      help=f"max_tokens of each request (default {TINY_MAX_TOKENS}, room for the tiny task's "
-                           "longest answer); a trace line's max_tokens wins")
     body.add_argument("--algorithm", help="dLLM extension: the denoise algorithm of every request "
                                           "(e.g. low_confidence, fast_dllm_threshold)")
     body.add_argument("--extra", type=_json_object, metavar="JSON", default={},
@@ -142,8 +156,6 @@ def _plan(args) -> list[tuple[float | None, list[Arrival]]]:
 
 
 def _check_options(args) -> None:
-    if not args.url.startswith(("http://", "https://")):
-        raise LoadgenError(f"--url must start with http:// or https://, got {args.url!r}")
     if args.records and not args.json:
         raise LoadgenError("--records goes with --json")
     if args.plot:
@@ -197,8 +209,7 @@ def run_loadgen(args) -> int:
         _check_options(args)
         plan = _plan(args)
         extra = {**args.extra, **({"algorithm": args.algorithm} if args.algorithm else {})}
-        endpoint = client.Endpoint(url=args.url.rstrip("/"), model=args.model, max_tokens=args.max_tokens,
-                                   chat=args.chat, api_key=args.api_key, extra=extra, timeout_s=args.timeout)
+        endpoint = endpoint_from_args(args, chat=args.chat, extra=extra, timeout_s=args.timeout)
         endpoint, results = asyncio.run(_drive(endpoint, plan, args.quiet))
         summaries = _output(args, endpoint, plan, results)
     except LoadgenError as exc:

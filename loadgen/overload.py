@@ -30,12 +30,11 @@ import httpx
 
 from loadgen import client
 from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
-from loadgen.cli import positive_number, rate_list
+from loadgen.cli import add_endpoint_options, endpoint_from_args, positive_number, rate_list
 from loadgen.records import OK, REFUSED, LoadgenError, Record
 from loadgen.report import format_table, number
 from loadgen.runner import Progress, run_closed_loop, run_open_loop
 from loadgen.stats import percentile, summarize
-from replicas.tiny.task import MAX_TOKENS as TINY_MAX_TOKENS
 
 # role -> what the command line of its processes contains (Ray titles a worker "ray::<class>[.<method>]")
 CONTROL_PLANE = {
@@ -268,14 +267,9 @@ def add_bench_overload_parser(targets) -> None:
         epilog="example: dllm-serve bench overload --url http://127.0.0.1:8000 --duration 20\n"
                "exit status: 0; 1 when the closed loop completed no request; 2 on bad input or an "
                "unreachable endpoint.")
-    parser.add_argument("--url", default="http://127.0.0.1:8000",
-                        help="base URL of the OpenAI-compatible server (default http://127.0.0.1:8000)")
-    parser.add_argument("--api-key", help="send 'Authorization: Bearer KEY'")
-    parser.add_argument("--model", help="model name (default: the first that GET /v1/models lists)")
+    add_endpoint_options(parser)
     parser.add_argument("--prompt", metavar="TEXT",
                         help="send this prompt every time (default: seeded prompts of the tiny model's task)")
-    parser.add_argument("--max-tokens", type=positive_number(int), default=TINY_MAX_TOKENS, metavar="N",
-                        help=f"max_tokens of each request (default {TINY_MAX_TOKENS})")
     parser.add_argument("--clients", type=positive_number(int), default=OverloadPlan.clients, metavar="N",
                         help=f"concurrent clients of the closed loop that measures the capacity "
                              f"(default {OverloadPlan.clients})")
@@ -298,10 +292,7 @@ def add_bench_overload_parser(targets) -> None:
 
 def run_bench_overload(args) -> int:
     try:
-        if not args.url.startswith(("http://", "https://")):
-            raise LoadgenError(f"--url must start with http:// or https://, got {args.url!r}")
-        endpoint = client.Endpoint(url=args.url.rstrip("/"), model=args.model, max_tokens=args.max_tokens,
-                                   api_key=args.api_key, timeout_s=args.timeout)
+        endpoint = endpoint_from_args(args, timeout_s=args.timeout)
         plan = OverloadPlan(args.clients, args.capacity_duration, tuple(args.loads), args.duration,
                             args.slo_latency, args.seed, args.prompt)
         result = asyncio.run(bench_overload(endpoint, plan, args.quiet))

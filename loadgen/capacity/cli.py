@@ -9,26 +9,19 @@ import asyncio
 import json
 import sys
 
-from loadgen import client
 from loadgen.arrivals import load_trace
 from loadgen.capacity import simulator as sim
 from loadgen.capacity.calibration import (DEFAULT_CALIBRATION, load_calibration, save_calibration,
                                           validate_calibration)
 from loadgen.capacity.calibration_bench import bench_calibration, format_comparison
 from loadgen.capacity.live_calibration import CalibrationPlan, calibrate
-from loadgen.cli import positive_number, rate_list
+from loadgen.cli import add_endpoint_options, endpoint_from_args, positive_number, rate_list
 from loadgen.records import LoadgenError
 from replicas.batching import MODES
-from replicas.tiny.task import MAX_TOKENS as TINY_MAX_TOKENS
 
 
 def _target_options(parser: argparse.ArgumentParser, rates_flag: str) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000",
-                        help="base URL of a running dllm-serve cluster (default http://127.0.0.1:8000)")
-    parser.add_argument("--api-key", help="send 'Authorization: Bearer KEY'")
-    parser.add_argument("--model", help="model name (default: the first that GET /v1/models lists)")
-    parser.add_argument("--max-tokens", type=positive_number(int), default=TINY_MAX_TOKENS, metavar="N",
-                        help=f"max_tokens of each request (default {TINY_MAX_TOKENS})")
+    add_endpoint_options(parser, url_help="base URL of a running dllm-serve cluster")
     parser.add_argument("--replicas", type=positive_number(int), default=1,
                         help="replicas serving (default 1): load points are per replica")
     parser.add_argument(rates_flag, dest="calibration_rates", type=rate_list, default=[4.0, 16.0],
@@ -77,13 +70,6 @@ def add_bench_calibration_parser(targets) -> None:
     bench.set_defaults(func=run_bench_calibration)
 
 
-def _endpoint(args) -> client.Endpoint:
-    if not args.url.startswith(("http://", "https://")):
-        raise LoadgenError(f"--url must start with http:// or https://, got {args.url!r}")
-    return client.Endpoint(url=args.url.rstrip("/"), model=args.model, max_tokens=args.max_tokens,
-                           api_key=args.api_key)
-
-
 def _plan(args) -> CalibrationPlan:
     return CalibrationPlan(tuple(args.calibration_rates), args.duration, args.seed, args.replicas)
 
@@ -98,7 +84,7 @@ def _run(command: str, work) -> int:
 
 def run_calibrate(args) -> int:
     def work() -> int:
-        calibration = asyncio.run(calibrate(_endpoint(args), _plan(args), args.quiet))
+        calibration = asyncio.run(calibrate(endpoint_from_args(args), _plan(args), args.quiet))
         save_calibration(calibration, args.out)
         print(f"wrote {args.out}: {calibration['source']}")
         return 0
@@ -108,7 +94,7 @@ def run_calibrate(args) -> int:
 
 def run_bench_calibration(args) -> int:
     def work() -> int:
-        result = asyncio.run(bench_calibration(_endpoint(args), _plan(args), args.rates, args.rate_requests,
+        result = asyncio.run(bench_calibration(endpoint_from_args(args), _plan(args), args.rates, args.rate_requests,
                                                args.policy, recalibrate=not args.calibrate_once,
                                                quiet=args.quiet))
         print(json.dumps(result) if args.json else format_comparison(result))

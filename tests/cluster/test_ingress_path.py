@@ -13,7 +13,7 @@ from starlette.requests import Request
 from cluster.auth import API_KEYS_ENV
 from cluster.config import load_config
 from cluster.errors import APIError
-from replicas.messages import GenerateChunk
+from replica_stand_in import Replicas
 
 PROMPT = "1.3. ..2. 4... .1.4 "
 
@@ -32,17 +32,6 @@ class CountingTokenizer:
     def apply_chat_template(self, *args, **kwargs):
         self.threads.add(threading.get_ident())
         return self.tokenizer.apply_chat_template(*args, **kwargs)
-
-
-class Replicas:
-    """Stands in for the replica handle: every request finishes in one block."""
-
-    def __init__(self):
-        self.generate = types.SimpleNamespace(remote=self._generate)
-
-    async def _generate(self, job):
-        yield GenerateChunk(text="x", token_ids=[5], finished=True, finish_reason="stop",
-                            prompt_tokens=len(job.prompt_ids), completion_tokens=1, steps=2, block_steps=[2])
 
 
 class MetricsActor:

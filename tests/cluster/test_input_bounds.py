@@ -17,8 +17,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-import algorithms
-from algorithms import AlgorithmParams, DllmAlgorithm, available_algorithms, get_algorithm
+from algorithms import available_algorithms, get_algorithm
 from algorithms.joint_threshold import MAX_POST_EDIT_STEPS
 from algorithms.sampling import MAX_TOP_K
 from cluster import protocol
@@ -27,7 +26,10 @@ from cluster.errors import install_error_handlers
 from replicas.limits import max_request_cost, request_cost
 from replicas.messages import GenerateChunk
 from replicas.tiny import task
-from test_ingress_path import PROMPT, MetricsActor, Replicas, answer
+from exploding_algorithm import MESSAGE as EXPLODING_MESSAGE, NAME as EXPLODING, register_exploding
+from replica_stand_in import Replicas
+from test_ingress_path import PROMPT, MetricsActor, answer
+from test_serving import series
 
 API_KEY = "test-key"  # the cluster fixture's
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -170,19 +172,6 @@ def test_admission_cost_is_capped_at_what_one_replica_row_holds(ingress):
 
 
 # ---- internal failures: generic to the client, detailed in the log ---------------------------
-class ExplodingAlgorithm(DllmAlgorithm):
-    """Fails every step with a message that must stay in the log."""
-
-    name = "test_exploding"
-    params_class = AlgorithmParams
-
-    def max_steps_per_block(self, params, block_length):
-        return 1
-
-    def step(self, logits, block, mask_id, params, states):
-        raise RuntimeError("boom: secret internal detail")
-
-
 async def sse_events(response) -> list:
     events = []
     async for piece in response.body_iterator:
@@ -197,7 +186,7 @@ def exploding_replica(monkeypatch):
     from replicas.deployment import EngineReplica
     from replicas.settings import EngineConfig
 
-    monkeypatch.setitem(algorithms.base._REGISTRY, "test_exploding", ExplodingAlgorithm())
+    register_exploding(monkeypatch)
     replica = EngineReplica("tiny", EngineConfig(max_batch=4), metrics_actor=None)
     yield replica
     replica.__del__()
@@ -205,7 +194,7 @@ def exploding_replica(monkeypatch):
 
 def test_an_algorithm_failure_is_a_generic_500_with_the_details_in_the_log(exploding_replica, caplog):
     plain, instance = ingress_over(exploding_replica.generate)
-    body = completion(algorithm="test_exploding")
+    body = completion(algorithm=EXPLODING)
     with caplog.at_level(logging.ERROR):
         response = asyncio.run(answer(plain, instance, body))
     assert response.status_code == 500
@@ -214,7 +203,7 @@ def test_an_algorithm_failure_is_a_generic_500_with_the_details_in_the_log(explo
     assert "boom" not in response.body.decode() and "RuntimeError" not in response.body.decode()
     request_id = error["message"].rsplit(" ", 1)[1]
     logged = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
-    assert any("boom: secret internal detail" in m for m in logged), logged
+    assert any(EXPLODING_MESSAGE in m for m in logged), logged
     assert instance.admission.outstanding == 0
 
     async def streamed():
@@ -449,10 +438,10 @@ def check_bounds_live(cluster, client: httpx.Client) -> None:
     deadline = time.monotonic() + 180
     while True:
         text = cluster.metrics_text()
-        free, pages = metric(text, "dllm_free_pages"), metric(text, "dllm_total_pages")
-        live = sum(metric(text, "dllm_running_requests").values()) + \
-            sum(metric(text, "dllm_step_queue_length").values())
-        outstanding = sum(metric(text, "dllm_admission_outstanding").values())
+        free, pages = series(text, "dllm_free_pages"), series(text, "dllm_total_pages")
+        live = sum(series(text, "dllm_running_requests").values()) + \
+            sum(series(text, "dllm_step_queue_length").values())
+        outstanding = sum(series(text, "dllm_admission_outstanding").values())
         if free and free == pages and live == 0 and outstanding == 0:
             break
         assert time.monotonic() < deadline, f"free {free} of {pages}, live {live}, outstanding {outstanding}"
@@ -464,13 +453,3 @@ def check_bounds_live(cluster, client: httpx.Client) -> None:
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] == "stop"
     assert sum(task.grade(request, response.json()["choices"][0]["text"])) >= math.ceil(len(request.puzzles) / 2)
-
-
-def metric(text: str, name: str) -> dict[str, float]:
-    """All samples of one metric: label string -> value."""
-    out = {}
-    for line in text.splitlines():
-        match = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
-        if match:
-            out[match.group(1) or ""] = float(match.group(2))
-    return out

@@ -15,7 +15,7 @@ from cluster.errors import APIError
 from cluster.metrics import MetricsExporter
 from live_up import start_cluster, stop_cluster
 from reliability_cluster import stream_completion
-from replicas.messages import GenerateChunk
+from replica_stand_in import Replicas
 
 DRAIN_TIMEOUT_S = 60.0
 EXIT_MARGIN_S = 90.0  # Serve and Ray take a while to stop on a busy machine
@@ -33,15 +33,6 @@ BLOCK = 16  # the tiny model's block length: one streamed event per block
 
 
 # ---- the ingress and the metrics actor, without Ray -----------------------------------------
-class _Replicas:
-    def __init__(self):
-        self.generate = types.SimpleNamespace(remote=self._generate)
-
-    async def _generate(self, job):
-        yield GenerateChunk(text="x", token_ids=[5], finished=True, finish_reason="stop",
-                            prompt_tokens=len(job.prompt_ids), completion_tokens=1, steps=2, block_steps=[2])
-
-
 class _MetricsActor:
     """Answers ``ingress_sync`` as the exporter does, draining once told to."""
 
@@ -59,7 +50,7 @@ def _ingress():
     plain = next(c for c in Ingress.__mro__ if "_prepare" in vars(c))  # under serve.ingress's wrapper
     instance = plain.__new__(plain)
     config = load_config(overrides={"stats_period_s": 0.05}).model_dump(mode="json")
-    plain.__init__(instance, types.SimpleNamespace(options=lambda **_: _Replicas()), config)
+    plain.__init__(instance, types.SimpleNamespace(options=lambda **_: Replicas()), config)
     instance._metrics = _MetricsActor()  # never ray.get_actor
     return plain, instance
 

@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-import algorithms.base
-from algorithms import AlgorithmParams, DllmAlgorithm
+from exploding_algorithm import NAME as EXPLODING, register_exploding
 from replicas.async_engine import AsyncEngine
 from replicas.request import FinishReason, RequestError, SamplingParams
 
@@ -107,25 +106,12 @@ def test_no_page_leak_with_aborts(make_engine, mode):
     assert_pool_full(engine)
 
 
-class ExplodingAlgorithm(DllmAlgorithm):
-    """Fails every step: the engine must fail its rows and keep serving the others."""
-
-    name = "test_exploding"
-    params_class = AlgorithmParams
-
-    def max_steps_per_block(self, params, block_length):
-        return 1
-
-    def step(self, logits, block, mask_id, params, states):
-        raise RuntimeError("boom")
-
-
 def test_failing_algorithm_fails_only_its_rows(make_engine, monkeypatch):
-    monkeypatch.setitem(algorithms.base._REGISTRY, "test_exploding", ExplodingAlgorithm())
+    register_exploding(monkeypatch)
     engine = make_engine(max_batch=4)
     outs = engine.generate(["abc", "def", "ghi"], [
         SamplingParams(max_tokens=32, ignore_eos=True),
-        SamplingParams(max_tokens=32, algorithm="test_exploding"),
+        SamplingParams(max_tokens=32, algorithm=EXPLODING),
         SamplingParams(max_tokens=32, ignore_eos=True)])
     assert [o.finish_reason for o in outs] == [FinishReason.LENGTH, FinishReason.ERROR, FinishReason.LENGTH]
     assert "boom" in outs[1].error
