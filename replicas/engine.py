@@ -85,7 +85,7 @@ class Engine:
                                    budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,
                                    fdfo_hold=self.cost_model.fdfo_hold if config.fdfo_fill_hold else (lambda rows: 0.0),
                                    clock=clock)
-        self.outputs = OutputProcessor(tokenizer, spec.eos_token_id, clock)
+        self.outputs = OutputProcessor(tokenizer, spec.end_token_ids, clock)
         self.totals = EngineTotals()
         self._requests: dict[str, Request] = {}
         self._deadlines: list[tuple[float, int, Request]] = []  # heap of (deadline, arrival order, request)

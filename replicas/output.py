@@ -20,9 +20,10 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_id: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, tokenizer, end_ids: frozenset[int], clock: Callable[[], float] = time.monotonic):
+        """``end_ids``: the ids that end an answer (``ModelSpec.end_token_ids``)."""
         self.decode = text_decoder(tokenizer)
-        self.eos_id = eos_id
+        self.end_ids = end_ids
         self.clock = clock
 
     def resume(self, request: Request) -> None:
@@ -35,8 +36,9 @@ class OutputProcessor:
         it (EOS, max_tokens, a stop string), and return the token ids and text it added."""
         params = request.params
         finish = None
-        if not params.ignore_eos and self.eos_id in block_ids:
-            block_ids = block_ids[: block_ids.index(self.eos_id)]
+        end = None if params.ignore_eos else next((i for i, t in enumerate(block_ids) if t in self.end_ids), None)
+        if end is not None:
+            block_ids = block_ids[:end]
             finish = FinishReason.STOP
         room = params.max_tokens - len(request.output_ids)
         if len(block_ids) >= room:

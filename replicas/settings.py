@@ -38,7 +38,7 @@ class EngineConfig(BaseModel):
     lora: str | None = Field(None, description="PEFT LoRA adapter directory merged into the weights at load")
     model_overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description="per-model defaults to override: block_length, mask_token_id, eos_token_id, "
+        description="per-model defaults to override: block_length, mask_token_id, eos_token_id, stop_token_ids, "
                     "attention (block_causal|bidirectional), default_algorithm, default_algorithm_params")
     fill_timeout_s: float | None = Field(
         None, ge=0, description="fixed_fill mode: batch fill timeout in seconds (default: tuned online)")

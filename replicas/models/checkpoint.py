@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from replicas.models.defaults import ModelSettingsError, apply_overrides
+from replicas.models.defaults import ModelSettingsError, apply_overrides, listed_ids, with_stop_ids
 from replicas.models.dream import DreamModel
 from replicas.models.llada import LLaDAModelLM
 from replicas.models.llada2_moe import LLaDA2MoeModelLM
@@ -70,6 +70,13 @@ def _build(path: Path, overrides: dict | None) -> nn.Module:
             net = cls(cls.config_class.from_dict(raw))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}/config.json does not describe a {arch}: {exc}") from exc
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        try:
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise CheckpointError(f"{generation} is not a valid JSON object: {exc}") from exc
+        net.spec = with_stop_ids(net.spec, listed_ids(eos))
     try:
         net.spec = apply_overrides(net.spec, overrides)
     except ModelSettingsError as exc:

@@ -13,7 +13,7 @@ ATTENTION_KINDS = ("block_causal", "bidirectional")
 class ModelSpec:
     block_length: int
     mask_token_id: int
-    eos_token_id: int
+    eos_token_id: int  # ends an answer; also the padding of unused row positions
     vocab_size: int
     num_layers: int
     num_kv_heads: int
@@ -28,10 +28,17 @@ class ModelSpec:
     contiguous_positions: bool = True
     default_algorithm: str = "low_confidence"
     default_algorithm_params: dict[str, Any] = field(default_factory=dict)
+    # more ids that end an answer, e.g. LLaDA-Instruct's <|eot_id|> before its <|endoftext|> padding
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def bidirectional(self) -> bool:
         return self.attention == "bidirectional"
+
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """Every id that ends an answer: the EOS and the stop ids."""
+        return frozenset((self.eos_token_id, *self.stop_token_ids))
 
 
 class ConfigFields:
