@@ -126,7 +126,12 @@ class DllmAlgorithm(ABC):
 
     @abstractmethod
     def max_steps_per_block(self, params: AlgorithmParams, block_length: int) -> int:
-        """Worst-case number of forwards one block can take (for admission cost)."""
+        """Worst-case number of forwards one block can take, the one that sees it unmasked
+        included (for admission cost)."""
+
+    def worst_case_steps(self, params: AlgorithmParams, block_length: int, fused_commit: bool) -> int:
+        """``max_steps_per_block``, less that last forward where a fused commit skips it."""
+        return self.max_steps_per_block(params, block_length) - (fused_commit and self.final_when_filled)
 
     @abstractmethod
     def step(

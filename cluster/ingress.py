@@ -250,7 +250,8 @@ class Ingress:
                               code="context_length_exceeded" if problem.too_long else None)
         algorithm_name, algorithm_params = self._algorithm(body)
         algorithm = get_algorithm(algorithm_name)
-        worst = algorithm.max_steps_per_block(algorithm.make_params(algorithm_params), block)
+        worst = algorithm.worst_case_steps(algorithm.make_params(algorithm_params), block,
+                                           self.config.replica.fused_commit)
         return GenerateRequest(
             request_id=protocol.new_id("cmpl"),
             prompt_ids=prompt_ids,

@@ -76,8 +76,8 @@ class EngineReplica:
         """What a request that comes without a cost is charged: the algorithm's worst case."""
         request = self.engine.make_request([0], params)
         block = self.engine.block_length
-        return request_cost(params.max_tokens, block, request.algorithm.max_steps_per_block(request.algorithm_params, block),
-                            max_request_cost(self.engine.max_model_len, block))
+        worst = request.algorithm.worst_case_steps(request.algorithm_params, block, self.engine.config.fused_commit)
+        return request_cost(params.max_tokens, block, worst, max_request_cost(self.engine.max_model_len, block))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream one chunk per committed block of a tokenized request."""

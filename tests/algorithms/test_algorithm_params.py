@@ -105,7 +105,12 @@ def test_bad_values_are_rejected(name, key, value):
 )
 def test_max_steps_per_block(name, overrides, block_length, expected):
     algorithm = get_algorithm(name)
-    assert algorithm.max_steps_per_block(algorithm.make_params(overrides), block_length) == expected
+    params = algorithm.make_params(overrides)
+    assert algorithm.max_steps_per_block(params, block_length) == expected
+    assert algorithm.worst_case_steps(params, block_length, fused_commit=False) == expected
+    # a fused commit skips the forward after the last fill, unless the rule may edit then
+    fused = expected - (name != "joint_threshold")
+    assert algorithm.worst_case_steps(params, block_length, fused_commit=True) == fused
 
 
 def test_package_reexports_base_api():
