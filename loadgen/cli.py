@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -78,6 +79,19 @@ def endpoint_from_args(args, **fields) -> client.Endpoint:
         raise LoadgenError(f"--url must start with http:// or https://, got {args.url!r}")
     return client.Endpoint(url=args.url.rstrip("/"), model=args.model, max_tokens=args.max_tokens,
                            api_key=args.api_key, **fields)
+
+
+def run_command(command: str, work: Callable[[], int]) -> int:
+    """``work()``'s exit status; 2 with a message on a LoadgenError (bad input, unreachable
+    endpoint), 130 on Ctrl-C."""
+    try:
+        return work()
+    except LoadgenError as exc:
+        print(f"dllm-serve {command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\ndllm-serve {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _json_object(text: str) -> dict:
@@ -205,20 +219,16 @@ def _output(args, endpoint: client.Endpoint, plan, results: list[list[Record]]) 
 def run_loadgen(args) -> int:
     """Run the load described by ``args``. Exit status: 0, 1 when no request completed,
     2 (with a message) on bad input or an unreachable endpoint."""
-    try:
+    def work() -> int:
         _check_options(args)
         plan = _plan(args)
         extra = {**args.extra, **({"algorithm": args.algorithm} if args.algorithm else {})}
         endpoint = endpoint_from_args(args, chat=args.chat, extra=extra, timeout_s=args.timeout)
         endpoint, results = asyncio.run(_drive(endpoint, plan, args.quiet))
         summaries = _output(args, endpoint, plan, results)
-    except LoadgenError as exc:
-        print(f"dllm-serve loadgen: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ndllm-serve loadgen: interrupted", file=sys.stderr)
-        return 130
-    if not any(summary["completed"] for summary in summaries):
-        print("dllm-serve loadgen: no request completed (see the errors in the report)", file=sys.stderr)
-        return 1
-    return 0
+        if not any(summary["completed"] for summary in summaries):
+            print("dllm-serve loadgen: no request completed (see the errors in the report)", file=sys.stderr)
+            return 1
+        return 0
+
+    return run_command("loadgen", work)

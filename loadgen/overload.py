@@ -30,8 +30,8 @@ import httpx
 
 from loadgen import client
 from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
-from loadgen.cli import add_endpoint_options, endpoint_from_args, positive_number, rate_list
-from loadgen.records import OK, REFUSED, LoadgenError, Record
+from loadgen.cli import add_endpoint_options, endpoint_from_args, positive_number, rate_list, run_command
+from loadgen.records import OK, REFUSED, Record
 from loadgen.report import format_table, number
 from loadgen.runner import Progress, run_closed_loop, run_open_loop
 from loadgen.stats import percentile, summarize
@@ -291,19 +291,16 @@ def add_bench_overload_parser(targets) -> None:
 
 
 def run_bench_overload(args) -> int:
-    try:
+    def work() -> int:
         endpoint = endpoint_from_args(args, timeout_s=args.timeout)
         plan = OverloadPlan(args.clients, args.capacity_duration, tuple(args.loads), args.duration,
                             args.slo_latency, args.seed, args.prompt)
         result = asyncio.run(bench_overload(endpoint, plan, args.quiet))
-    except LoadgenError as exc:
-        print(f"dllm-serve bench overload: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ndllm-serve bench overload: interrupted", file=sys.stderr)
-        return 130
-    print(json.dumps(result) if args.json else format_overload(result))
-    if result["capacity_rps"] <= 0:
-        print("dllm-serve bench overload: the closed loop completed no request (see its errors)", file=sys.stderr)
-        return 1
-    return 0
+        print(json.dumps(result) if args.json else format_overload(result))
+        if result["capacity_rps"] <= 0:
+            print("dllm-serve bench overload: the closed loop completed no request (see its errors)",
+                  file=sys.stderr)
+            return 1
+        return 0
+
+    return run_command("bench overload", work)

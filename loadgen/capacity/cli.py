@@ -15,7 +15,7 @@ from loadgen.capacity.calibration import (DEFAULT_CALIBRATION, load_calibration,
                                           validate_calibration)
 from loadgen.capacity.calibration_bench import bench_calibration, format_comparison
 from loadgen.capacity.live_calibration import CalibrationPlan, calibrate
-from loadgen.cli import add_endpoint_options, endpoint_from_args, positive_number, rate_list
+from loadgen.cli import add_endpoint_options, endpoint_from_args, positive_number, rate_list, run_command
 from loadgen.records import LoadgenError
 from replicas.batching import MODES
 
@@ -74,14 +74,6 @@ def _plan(args) -> CalibrationPlan:
     return CalibrationPlan(tuple(args.calibration_rates), args.duration, args.seed, args.replicas)
 
 
-def _run(command: str, work) -> int:
-    try:
-        return work()
-    except LoadgenError as exc:
-        print(f"dllm-serve {command}: error: {exc}", file=sys.stderr)
-        return 2
-
-
 def run_calibrate(args) -> int:
     def work() -> int:
         calibration = asyncio.run(calibrate(endpoint_from_args(args), _plan(args), args.quiet))
@@ -89,7 +81,7 @@ def run_calibrate(args) -> int:
         print(f"wrote {args.out}: {calibration['source']}")
         return 0
 
-    return _run("calibrate", work)
+    return run_command("calibrate", work)
 
 
 def run_bench_calibration(args) -> int:
@@ -100,7 +92,7 @@ def run_bench_calibration(args) -> int:
         print(json.dumps(result) if args.json else format_comparison(result))
         return 0
 
-    return _run("bench calibration", work)
+    return run_command("bench calibration", work)
 
 
 _SIM_COLUMNS = {

@@ -10,6 +10,7 @@ import pytest
 from ray import cloudpickle
 
 from cluster.app import build_app
+from cli_help import command_parser
 from cluster.cli import _engine_config, build_parser, up_config
 from cluster.config import ReplicaSettings, load_config
 from cluster.errors import APIError
@@ -21,8 +22,7 @@ from replicas.settings import EngineConfig, resolve_algorithm
 
 def command_options(command: str) -> dict[str, argparse.Action]:
     """The options of one `dllm-serve` command, by dest."""
-    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {action.dest: action for action in commands.choices[command]._actions}
+    return {action.dest: action for action in command_parser(command)._actions}
 
 
 def example_argv(action: argparse.Action) -> tuple[list[str], object]:

@@ -1,7 +1,6 @@
 """`dllm-serve bench overload` without a cluster: /proc parsing, the per-load report from
 records, a whole run against a mock server, and the command's errors."""
 
-import argparse
 import asyncio
 import json
 import os
@@ -9,7 +8,8 @@ import os
 import httpx
 import pytest
 
-from cluster.cli import build_parser, main
+from cli_help import assert_help_explains_every_option
+from cluster.cli import main
 from loadgen import overload
 from loadgen.client import Endpoint
 from loadgen.records import ERROR, OK, REFUSED, Record
@@ -227,24 +227,8 @@ def test_a_local_cluster_is_measured(monkeypatch):
 
 
 # ---- the command --------------------------------------------------------------------------------
-def overload_parser() -> argparse.ArgumentParser:
-    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    bench = commands.choices["bench"]
-    targets = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
-    return targets.choices["overload"]
-
-
 def test_help_explains_every_option(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["bench", "overload", "--help"])
-    assert exit_.value.code == 0
-    text = capsys.readouterr().out
-    actions = [a for a in overload_parser()._actions if a.option_strings]
-    assert len(actions) > 12
-    for action in actions:
-        assert action.help, action.option_strings
-        assert all(option in text for option in action.option_strings)
-    assert "exit status" in text and "goodput" in text and "/proc" in text
+    assert_help_explains_every_option(capsys, ("bench", "overload"), 12, ("exit status", "goodput", "/proc"))
 
 
 def test_bad_url_is_a_message_and_exit_2(capsys):

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from failing_call import failing_on_call
 from replicas.async_engine import AsyncEngine
 from replicas.deployment import EngineReplica
 from replicas.messages import GenerateRequest
@@ -43,16 +44,8 @@ def test_one_failing_step_fails_only_its_rows_as_a_replica_fault(make_engine):
 
 def test_a_failing_add_does_not_drop_the_others_in_the_inbox(make_engine, monkeypatch):
     engine = make_engine(max_batch=4)
-    add = engine.scheduler.add
-    calls = {"n": 0}
-
-    def add_failing_once(request):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("queue broken")
-        add(request)
-
-    monkeypatch.setattr(engine.scheduler, "add", add_failing_once)
+    monkeypatch.setattr(engine.scheduler, "add",
+                        failing_on_call(engine.scheduler.add, 1, RuntimeError("queue broken")))
     outs = engine.generate(["abc", "def", "ghi"], PARAMS)
     assert outs[0].finish_reason is FinishReason.ERROR and outs[0].replica_fault
     assert [o.finish_reason for o in outs[1:]] == [FinishReason.LENGTH] * 2
@@ -170,16 +163,7 @@ def test_a_stalled_engine_loop_makes_the_replica_unhealthy(replica):
 def test_the_loop_survives_a_step_that_raises_past_the_engine(make_engine, monkeypatch):
     engine = make_engine()
     runner = AsyncEngine(engine)
-    step = engine.step
-    calls = {"n": 0}
-
-    def broken_once():
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("outside everything")
-        return step()
-
-    monkeypatch.setattr(engine, "step", broken_once)
+    monkeypatch.setattr(engine, "step", failing_on_call(engine.step, 1, RuntimeError("outside everything")))
 
     async def collect():
         return [o async for o in runner.generate("abc", PARAMS)]

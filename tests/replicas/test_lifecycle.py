@@ -7,6 +7,7 @@ import time
 import pytest
 
 from exploding_algorithm import NAME as EXPLODING, register_exploding
+from failing_call import failing_on_call
 from replicas.async_engine import AsyncEngine
 from replicas.request import FinishReason, RequestError, SamplingParams
 
@@ -121,16 +122,7 @@ def test_failing_algorithm_fails_only_its_rows(make_engine, monkeypatch):
 
 def test_failing_forward_fails_rows_and_engine_recovers(make_engine):
     engine = make_engine(max_batch=4)
-    forward = engine.runner.forward
-    calls = {"n": 0}
-
-    def flaky(batch):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("device lost")
-        return forward(batch)
-
-    engine.runner.forward = flaky
+    engine.runner.forward = failing_on_call(engine.runner.forward, 2, RuntimeError("device lost"))
     outs = engine.generate(["abc", "def"], SamplingParams(max_tokens=32, ignore_eos=True))
     assert all(o.finish_reason is FinishReason.ERROR for o in outs)
     assert_pool_full(engine)
