@@ -78,13 +78,14 @@ class Engine:
         self.pool = PagePool(num_pages)
         self.rows = RowTable(config.max_batch, self.max_pages_per_request, size, pad_id=spec.eos_token_id)
         kv_cache = KVCache(spec.num_layers, num_pages, size, spec.num_kv_heads, spec.head_dim, dtype, device)
+        self.canvas = config.canvas or (spec.canvas if spec.bidirectional else "block")
         self.runner = ModelRunner(self.model, self.rows, kv_cache, device, config.kv_cache,
-                                  config.attention_backend)
+                                  config.attention_backend, self.canvas)
         self.cost_model = OnlineCostModel(config.max_batch, clock=clock)
         self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.rows, config.max_batch,
                                    budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,
                                    fdfo_hold=self.cost_model.fdfo_hold if config.fdfo_fill_hold else (lambda rows: 0.0),
-                                   clock=clock)
+                                   clock=clock, full_canvas=self.canvas == "full")
         self.outputs = OutputProcessor(tokenizer, spec.end_token_ids, clock)
         self.totals = EngineTotals()
         self._requests: dict[str, Request] = {}

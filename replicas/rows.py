@@ -1,8 +1,10 @@
 """Persistent per-row tensors of the running batch (the "persistent batch").
 
 Each admitted request gets a row. Its row of ``tokens`` is its whole paged sequence
-(prompt pages, committed blocks, the active block) by page index, and its row of
-``page_table`` maps its page indices to pool pages. The runner gathers step inputs from
+(prompt pages, committed blocks, the active block; with the full canvas also the
+masks of every later block) by page index, and its row of ``page_table`` maps its page
+indices to pool pages. ``last_page`` is the highest page index the row's tokens attend to
+with the full canvas (its last block's). The runner gathers step inputs from
 these with a few vectorized index operations instead of rebuilding Python lists every step.
 """
 
@@ -22,6 +24,7 @@ class RowTable:
         self.page_table = torch.zeros((num_rows, max_pages), dtype=torch.long)
         self.prompt_pages = torch.ones(num_rows, dtype=torch.long)
         self.prompt_tail = torch.full((num_rows,), page_size, dtype=torch.long)
+        self.last_page = torch.zeros(num_rows, dtype=torch.long)
         self._free = list(range(num_rows - 1, -1, -1))
 
     @property
@@ -48,6 +51,13 @@ class RowTable:
     def start_block(self, row: int, page_index: int, page: int, mask_id: int) -> None:
         self.page_table[row, page_index] = page
         self.tokens[row, page_index] = mask_id
+
+    def lay_canvas(self, row: int, first_page_index: int, pages: list[int], mask_id: int) -> None:
+        """The full canvas: masked blocks on ``pages`` from ``first_page_index`` on."""
+        end = first_page_index + len(pages)
+        self.page_table[row, first_page_index:end] = torch.tensor(pages, dtype=torch.long)
+        self.tokens[row, first_page_index:end] = mask_id
+        self.last_page[row] = end - 1
 
     def release(self, row: int) -> None:
         self._free.append(row)

@@ -14,9 +14,16 @@ KV policy by attention kind (``ModelSpec.attention``) and ``kv_cache`` mode:
   scheduler prefills are dropped (the first block step recomputes them anyway).
 * ``none``: every step refreshes the row (exact for both kinds, and slow).
 
-Future masked blocks are never part of the sequence: a block sees the prompt, the
-committed blocks and itself (LLaDA's reference generate also attends to the masks of all
-later blocks; serving without them keeps a request's work proportional to its progress).
+Canvas (``canvas``, bidirectional models only):
+
+* ``block``: future masked blocks are not part of the sequence; a block sees the prompt,
+  the committed blocks and itself, so a request's work grows with its progress.
+* ``full``: the reference semantics of LLaDA's ``generate`` and Dream's
+  ``diffusion_generate``: the row holds the masks of all its blocks from the start
+  (``RowTable.last_page``) and every position attends to all of them. A refresh
+  recomputes the whole canvas; with ``prefix`` the block's later steps attend to the KV
+  of the prefix *and* of the masked suffix computed at that refresh (Fast-dLLM's dual
+  cache); with ``none`` every step is the reference forward.
 
 Shifted models (Dream): the logit of a block's first token is the output at the token
 before the block, which is fed only when the row refreshes; it is kept per row and
@@ -36,14 +43,21 @@ from replicas.kv_cache import KVCache, PagePool
 from replicas.rows import RowTable
 
 KV_CACHE_MODES = ("prefix", "none")
+CANVASES = ("block", "full")
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, rows: RowTable, kv_cache: KVCache, device: torch.device,
-                 kv_cache_mode: str = "prefix", attention_backend: str = "auto"):
+                 kv_cache_mode: str = "prefix", attention_backend: str = "auto", canvas: str = "block"):
         if kv_cache_mode not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache {kv_cache_mode!r}; choose one of {list(KV_CACHE_MODES)}")
         spec = model.spec
+        if canvas not in CANVASES:
+            raise ValueError(f"canvas {canvas!r}; choose one of {list(CANVASES)}")
+        if canvas == "full" and not spec.bidirectional:
+            raise ValueError("canvas 'full' needs a bidirectional model: a block-causal one never attends "
+                             "to later blocks")
+        self.full_canvas = canvas == "full"
         self.model = model
         self.rows = rows
         self.kv_cache = kv_cache
@@ -67,7 +81,8 @@ class ModelRunner:
 
     def _units(self, batch: ScheduledBatch, refreshed: torch.Tensor):
         """The units to compute: the scheduler's, with refreshed rows expanded to every page
-        up to their block (and prompt chunks dropped where refreshes recompute them)."""
+        up to their block (their last block with the full canvas), and prompt chunks
+        dropped where refreshes recompute them."""
         page_index, count, is_block, scratch = (batch.unit_page_index, batch.unit_count,
                                                 batch.unit_is_block, batch.unit_scratch)
         if not self.refreshes:
@@ -76,7 +91,8 @@ class ModelRunner:
         unit_refresh[is_block] = refreshed
         keep = is_block if (self.bidirectional or self.refresh_every_step) else torch.ones_like(is_block)
         source = torch.arange(is_block.numel())[keep]
-        width = torch.where(unit_refresh[source], page_index[source] + 1, 1)
+        reach = self.rows.last_page[batch.unit_row] if self.full_canvas else page_index
+        width = torch.where(unit_refresh[source], reach[source] + 1, 1)
         source = source.repeat_interleave(width)
         starts = torch.cumsum(width, 0) - width
         within = torch.arange(source.numel()) - starts.repeat_interleave(width)
@@ -108,7 +124,9 @@ class ModelRunner:
 
         unit_start = torch.zeros(unit_count.numel() + 1, dtype=torch.long)
         torch.cumsum(unit_count, 0, out=unit_start[1:])
-        if self.bidirectional:  # every page of the row up to its active block
+        if self.full_canvas:  # every page of the row's canvas
+            sees = rows.last_page[unit_row]
+        elif self.bidirectional:  # every page of the row up to its active block
             top = torch.zeros(rows.num_rows, dtype=torch.long).scatter_reduce(
                 0, unit_row, page_index, reduce="amax")
             sees = top[unit_row]

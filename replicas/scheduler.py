@@ -7,7 +7,9 @@ builds the step's batch; ``update_from_step()`` books the step's outcome (steps 
 blocks done, requests finished); ``remove()`` takes a request out on abort or failure.
 
 Pages: admission reserves a request's worst case (prompt pages + max blocks); pages are
-taken from the reservation one block at a time and all returned on release. A
+taken from the reservation one block at a time and all returned on release. With the
+full canvas (``full_canvas``) every block's page is taken and masked at admission, since
+every position attends to all of them from the first step. A
 continuation (``SamplingParams.resume_ids``) takes its resumed blocks' pages at admission
 and prefills them after its prompt.
 
@@ -37,8 +39,9 @@ class Scheduler:
                  max_tokens_per_step: int, block_length: int, mask_id: int,
                  fill_timeout: Callable[[], float] = lambda: 0.0,
                  fdfo_hold: Callable[[int], float] = lambda rows: 0.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, full_canvas: bool = False):
         self.mode = SchedulerMode(mode)
+        self.full_canvas = full_canvas
         self.fill_timeout = fill_timeout  # seconds; read when a fixed_fill batch could start
         self.fdfo_hold = fdfo_hold  # seconds an under-filled fdfo step may wait, given its rows
         self.clock = clock
@@ -154,13 +157,21 @@ class Scheduler:
             request.reserved_pages = request.max_blocks - request.resumed_blocks
             request.pages = [self.pool.take() for _ in range(request.prefix_pages)]
             request.row = self.rows.acquire(request.prompt_ids, request.pages, request.params.resume_ids)
+            if self.full_canvas:
+                canvas = [self.pool.take() for _ in range(request.reserved_pages)]
+                self.rows.lay_canvas(request.row, request.prefix_pages, canvas, self.mask_id)
+                request.pages += canvas
+                request.reserved_pages = 0
             request.phase = Phase.PREFILL
             self.running.append(request)
 
     def _start_block(self, request: Request) -> None:
-        page = self.pool.take()
-        request.reserved_pages -= 1
-        request.pages.append(page)
+        if self.full_canvas:
+            page = request.pages[request.active_page_index]  # laid out at admission
+        else:
+            page = self.pool.take()
+            request.reserved_pages -= 1
+            request.pages.append(page)
         self.rows.start_block(request.row, request.active_page_index, page, self.mask_id)
         request.algorithm_state = request.algorithm.init_state(request.algorithm_params, request.block_index)
         request.block_steps = 0

@@ -33,6 +33,12 @@ class EngineConfig(BaseModel):
         None, description="weights and KV dtype (default: bfloat16 on CUDA, float32 elsewhere)")
     kv_cache: Literal["prefix", "none"] = Field(
         "prefix", description="'none' recomputes the whole sequence every step (exact for bidirectional models, slow)")
+    canvas: Literal["full", "block"] | None = Field(
+        None, description="'full': every block's masks are in the sequence from the start and attended (the "
+                          "reference generation of LLaDA and Dream; with kv_cache prefix, Fast-dLLM's dual cache); "
+                          "'block': a block sees only the prompt, committed blocks and itself (faster); "
+                          "default: the model's (full for LLaDA and Dream, block otherwise); full needs a "
+                          "bidirectional model")
     attention_backend: Literal["auto", "sdpa", "flash"] = Field(
         "auto", description="attention kernel: 'flash' is vllm-flash-attn (CUDA, the gpu extra); auto picks it when usable")
     lora: str | None = Field(None, description="PEFT LoRA adapter directory merged into the weights at load")

@@ -29,6 +29,7 @@ class ModelDefaults:
     eos_token_id: int
     attention: str
     shift_logits: bool = False
+    canvas: str = "block"
     algorithm: str = "low_confidence"
     algorithm_params: dict[str, Any] = field(default_factory=dict)
     stop_token_ids: tuple[int, ...] = ()
@@ -37,10 +38,10 @@ class ModelDefaults:
 DEFAULTS: dict[str, ModelDefaults] = {
     # LLaDA-8B-Base/Instruct, LLaDA-1.5: <|mdm_mask|> 126336, <|endoftext|> 126081; Instruct
     # ends its answer with <|eot_id|> 126348 and pads the rest with <|endoftext|>
-    "LLaDAModelLM": ModelDefaults(32, 126336, 126081, "bidirectional", algorithm_params={"threshold": 0.9},
-                                  stop_token_ids=(126348,)),
+    "LLaDAModelLM": ModelDefaults(32, 126336, 126081, "bidirectional", canvas="full",
+                                  algorithm_params={"threshold": 0.9}, stop_token_ids=(126348,)),
     # Dream-v0-Base/Instruct-7B: <|mask|> 151666, <|endoftext|> 151643, <|im_end|> 151645
-    "DreamModel": ModelDefaults(32, 151666, 151643, "bidirectional", shift_logits=True,
+    "DreamModel": ModelDefaults(32, 151666, 151643, "bidirectional", shift_logits=True, canvas="full",
                                 algorithm_params={"threshold": 0.9}, stop_token_ids=(151645,)),
     # LLaDA2.0-mini: <|mask|> 156895, <|endoftext|> 156892
     "LLaDA2MoeModelLM": ModelDefaults(32, 156895, 156892, "block_causal", algorithm_params={"threshold": 0.95}),
@@ -84,7 +85,8 @@ def default_spec(architecture: str, config, shape) -> ModelSpec:
         mask_token_id=_config_id(config, "mask_token_id", table.mask_token_id),
         eos_token_id=_config_id(config, "eos_token_id", table.eos_token_id),
         vocab_size=shape.vocab_size, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim, max_positions=shape.max_positions, attention=table.attention, shift_logits=table.shift_logits,
+        head_dim=shape.head_dim, max_positions=shape.max_positions, attention=table.attention,
+        shift_logits=table.shift_logits, canvas=table.canvas,
         default_algorithm=table.algorithm, default_algorithm_params=dict(table.algorithm_params),
     )
     return with_stop_ids(spec, table.stop_token_ids + listed_ids(getattr(config, "eos_token_id", None)))

@@ -23,6 +23,9 @@ class ModelSpec:
     # "bidirectional": every token sees the whole sequence (LLaDA, Dream)
     attention: str = "block_causal"
     shift_logits: bool = False  # the logit of position i is the output at i - 1 (Dream)
+    # "full": every block's masks are in the sequence from the start (bidirectional models'
+    # reference generation); "block": a block sees only what precedes it (replicas.runner)
+    canvas: str = "block"
     # positions run on from the prompt's last token into the first block; False leaves the
     # gap up to the prompt's page boundary (the tiny model was trained that way)
     contiguous_positions: bool = True
