@@ -16,7 +16,9 @@ Conventions shared by every implementation:
   ``final_when_filled``: that last forward can change nothing (the rule never edits a
   filled position), so the engine may commit a block at the step that fills its last
   mask and write its final KV in the row's next forward (``EngineConfig.fused_commit``).
-  A row that still has masks must get at least one position filled.
+  A row that still has masks must get at least one position filled, unless the rule's
+  ``fills_every_step`` is False (a schedule that may skip a step, like Dream's, and bounds
+  its forwards with ``max_steps_per_block`` instead).
 * Per-request parameters are frozen dataclasses made by ``make_params``; per-block
   state comes from ``init_state`` (called when a block starts) and is mutated by
   ``step``.
@@ -101,6 +103,7 @@ class DllmAlgorithm(ABC):
     name: ClassVar[str]
     params_class: ClassVar[type[AlgorithmParams]] = AlgorithmParams
     final_when_filled: ClassVar[bool] = True  # see the module docstring; False for rules that edit
+    fills_every_step: ClassVar[bool] = True  # see the module docstring
 
     def make_params(self, overrides: Mapping[str, Any] | None = None) -> AlgorithmParams:
         """Published defaults with per-request ``overrides``; rejects unknown keys and bad values."""

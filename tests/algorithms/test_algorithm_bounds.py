@@ -17,7 +17,7 @@ from algorithms.fixed_steps import MAX_STEPS
 from algorithms.joint_threshold import MAX_PENALTY_LAMBDA, MAX_POST_EDIT_STEPS
 from algorithms.sampling import MAX_TOP_K
 
-SAMPLING = ["low_confidence", "joint_threshold"]  # the rules with top_k / top_p
+SAMPLING = ["low_confidence", "joint_threshold", "dream"]  # the rules with top_k / top_p
 
 # (algorithm, parameter, the largest or smallest value accepted, the nearest value refused)
 EDGES = [
@@ -32,6 +32,9 @@ EDGES = [
     ("joint_threshold", "penalty_lambda", MAX_PENALTY_LAMBDA, MAX_PENALTY_LAMBDA * 1.001),
     ("fixed_steps", "steps", MAX_STEPS, MAX_STEPS + 1),
     ("fixed_steps", "steps", 1, 0),
+    ("dream", "steps", MAX_STEPS, MAX_STEPS + 1),
+    ("dream", "alg_temp", 100, 100.001),
+    ("dream", "eps", 1, 1.001),
     ("fast_dllm_factor", "factor", MAX_FACTOR, MAX_FACTOR * 1.001),
 ]
 
@@ -83,8 +86,10 @@ def test_worst_case_steps_are_bounded_by_the_parameter_bounds():
     for name in available_algorithms():
         algorithm = get_algorithm(name)
         worst = {"joint_threshold": {"max_post_edit_steps": MAX_POST_EDIT_STEPS},
-                 "fixed_steps": {"steps": MAX_STEPS}}.get(name, {})
-        assert algorithm.max_steps_per_block(algorithm.make_params(worst), block) <= block + MAX_POST_EDIT_STEPS + 1
+                 "fixed_steps": {"steps": MAX_STEPS}, "dream": {"steps": MAX_STEPS}}.get(name, {})
+        # Dream's schedule takes all its steps, however few masks a block has
+        bound = MAX_STEPS + 1 if name == "dream" else block + MAX_POST_EDIT_STEPS + 1
+        assert algorithm.max_steps_per_block(algorithm.make_params(worst), block) <= bound
 
 
 # Values of every kind for any parameter: boundaries, beyond them, wrong types.
@@ -139,5 +144,6 @@ def test_whatever_make_params_accepts_runs_a_step_beside_a_default_row(case):
     done = algorithm.step(logits, block, mask_id, rows, states)
     assert done.shape == (2,) and not done.any()  # both rows had masks
     assert ((block >= 0) & (block < vocab)).all()
-    assert (block[:, 2:] != mask_id).any(-1).all()  # each row filled at least one mask
-    assert algorithm.max_steps_per_block(params, length) <= length + MAX_POST_EDIT_STEPS + 1
+    if algorithm.fills_every_step:
+        assert (block[:, 2:] != mask_id).any(-1).all()  # each row filled at least one mask
+        assert algorithm.max_steps_per_block(params, length) <= length + MAX_POST_EDIT_STEPS + 1

@@ -21,10 +21,12 @@ DEFAULTS = {
     "fast_dllm_threshold": {"threshold": 0.9, "temperature": 0.0},
     "fast_dllm_factor": {"factor": 1.0, "temperature": 0.0},
     "fixed_steps": {"steps": 32, "remasking": "low_confidence", "temperature": 0.0},
+    "dream": {"steps": 32, "alg": "entropy", "alg_temp": 0.0, "eps": 1e-3, "temperature": 0.0, "top_k": 0,
+              "top_p": 1.0},
 }
 
 
-def test_all_five_rules_are_registered():
+def test_all_rules_are_registered():
     assert available_algorithms() == sorted(DEFAULTS)
     for name in DEFAULTS:
         assert get_algorithm(name).name == name
@@ -81,6 +83,10 @@ BAD_VALUES = [
     ("fixed_steps", "steps", True),
     ("fixed_steps", "remasking", "entropy"),
     ("fixed_steps", "temperature", "hot"),
+    ("dream", "alg", "low_confidence"),
+    ("dream", "alg_temp", -1.0),
+    ("dream", "eps", 0.0),
+    ("dream", "steps", 0),
 ]
 
 
@@ -101,6 +107,9 @@ def test_bad_values_are_rejected(name, key, value):
         ("fixed_steps", {}, 32, 33),
         ("fixed_steps", {"steps": 8}, 32, 9),
         ("fixed_steps", {}, 4, 5),
+        ("dream", {}, 32, 33),
+        ("dream", {"steps": 8}, 32, 9),
+        ("dream", {"steps": 64}, 32, 65),
     ],
 )
 def test_max_steps_per_block(name, overrides, block_length, expected):
