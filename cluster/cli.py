@@ -167,6 +167,11 @@ def cmd_bench(args) -> int:
         result = bench_engine(args.model, num_requests=args.requests, max_batch=args.max_batch, rounds=args.rounds,
                               workload=args.workload,
                               on_fdfo_run=_calibration_writer(args.calibration, args.max_batch))
+    elif args.target == "canvas":
+        from replicas.canvas_bench import bench_canvas
+
+        result = bench_canvas(tuple(args.batch_sizes), args.prompt_len, args.max_tokens, args.steps,
+                              d_model=args.d_model, layers=args.layers, mlp=int(args.d_model * 2.75))
     else:
         from loadgen.capacity.policy_bench import bench_policies
 
@@ -489,6 +494,17 @@ def build_parser() -> argparse.ArgumentParser:
         target.add_argument("--max-batch", type=int, default=16)
         target.add_argument("--json", action="store_true", help="one JSON object on one line")
         target.set_defaults(func=cmd_bench)
+
+    canvas = targets.add_parser(
+        "canvas", help="full canvas (dual cache) vs block canvas tokens/s on a random 1B-class LLaDA")
+    canvas.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="(default: 1 16)")
+    canvas.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
+    canvas.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default 128)")
+    canvas.add_argument("--steps", type=int, default=8, help="fixed_steps forwards per block (default 8)")
+    canvas.add_argument("--d-model", type=int, default=2048, help="hidden size (default 2048)")
+    canvas.add_argument("--layers", type=int, default=16, help="transformer layers (default 16)")
+    canvas.add_argument("--json", action="store_true", help="one JSON object on one line")
+    canvas.set_defaults(func=cmd_bench)
 
     from loadgen.capacity.cli import add_bench_calibration_parser, add_calibrate_parser, add_simulate_parser
     from loadgen.overload import add_bench_overload_parser

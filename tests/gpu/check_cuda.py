@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from replicas.attention import BatchLayout, flash_available, paged_context
+from replicas.canvas_bench import IdsOnly
 from replicas.engine import Engine, EngineConfig
 from replicas.models.sdar import SDARForCausalLM
 from replicas.models.transformer import QwenStyleConfig
@@ -57,13 +58,6 @@ def compare_backends(heads=16, kv_heads=4, dim=128, dtype=torch.bfloat16) -> flo
     sdpa = paged_context("sdpa", layout, k_cache, v_cache, PAGE).attend(0, q, k, v)
     flash = paged_context("flash", layout, k_cache, v_cache, PAGE).attend(0, q, k, v)
     return float((sdpa.float() - flash.float()).abs().max())
-
-
-class IdsOnly:
-    """The engine decodes committed blocks; random weights have no text worth decoding."""
-
-    def decode(self, ids, **kwargs) -> str:
-        return ""
 
 
 def sdar_model(device: str, hidden: int = 2048, layers: int = 28, heads: int = 16, kv_heads: int = 8,

@@ -3,6 +3,7 @@
 import pytest
 
 from checkpoint_builders import OVERRIDES
+from replicas.canvas_bench import bench_canvas
 from replicas.engine import Engine, EngineConfig
 from replicas.request import SamplingParams
 
@@ -43,3 +44,15 @@ def test_full_canvas_rows_do_not_depend_on_their_batch(checkpoint_dir, kv_cache)
     assert [t for o in streamed for t in o.new_token_ids] == alone[0]
     assert [o.new_token_ids for o in together] == alone[1:]
     assert engine.pool.num_free == free
+
+
+def test_bench_canvas_runs_both_canvases_through_the_same_forwards():
+    from cluster.cli import main
+
+    report = bench_canvas((1, 2), prompt_len=20, max_tokens=64, steps=4, d_model=64, layers=1, heads=4, mlp=128)
+    for batch in (1, 2):
+        block, full = report[f"batch_{batch}"]["block"], report[f"batch_{batch}"]["full"]
+        assert block["steps"] == full["steps"] == 2 * 4  # two blocks of four forwards, fused commits
+        assert full["tokens_per_s"] > 0 and block["tokens_per_s"] > 0
+    assert main(["bench", "canvas", "--batch-sizes", "1", "--d-model", "64", "--layers", "1", "--max-tokens", "32",
+                 "--prompt-len", "8", "--json"]) == 0
