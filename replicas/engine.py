@@ -79,6 +79,10 @@ class Engine:
         self.rows = RowTable(config.max_batch, self.max_pages_per_request, size, pad_id=spec.eos_token_id)
         kv_cache = KVCache(spec.num_layers, num_pages, size, spec.num_kv_heads, spec.head_dim, dtype, device)
         self.canvas = config.canvas or (spec.canvas if spec.bidirectional else "block")
+        self.aligned = config.block_alignment == "prompt"
+        if self.aligned and self.canvas == "full":
+            raise ValueError("block_alignment 'prompt' is the block-causal models' reference; "
+                             "with canvas 'full' use block_alignment 'page'")
         self.runner = ModelRunner(self.model, self.rows, kv_cache, device, config.kv_cache,
                                   config.attention_backend, self.canvas)
         self.cost_model = OnlineCostModel(config.max_batch, clock=clock)
@@ -118,7 +122,8 @@ class Engine:
         problem = request_problem(prompt_ids, params.max_tokens, self.spec, self.max_model_len, self.pool.capacity)
         if problem:
             raise RequestError(problem.message)
-        resume_error = resume_problem(params.resume_ids, params.max_tokens, self.spec)
+        resume_error = resume_problem(params.resume_ids, params.max_tokens, self.spec,
+                                      len(prompt_ids) if self.aligned else 0)
         if resume_error:
             raise RequestError(resume_error)
         name, overrides = resolve_algorithm(self.config, self.spec, params.algorithm, params.algorithm_params)
@@ -136,6 +141,7 @@ class Engine:
             block_length=self.block_length,
             arrival_time=self.clock(),
             on_output=on_output,
+            aligned=self.aligned,
         )
         self.outputs.resume(request)
         return request
@@ -241,7 +247,8 @@ class Engine:
             done |= final & (blocks != self.spec.mask_token_id).all(-1)
         self.rows.write_blocks(rows, page_indices, blocks)
         done = done.tolist()
-        added = {i: self.outputs.commit_block(requests[i], blocks[i].tolist()) for i, d in enumerate(done) if d}
+        added = {i: self.outputs.commit_block(requests[i], blocks[i, requests[i].answer_offset:].tolist())
+                 for i, d in enumerate(done) if d}
         # a block committed at the step that filled it: its cached KV is the masked one
         self.scheduler.update_from_step(done, kv_stale=fed_masks.tolist())
         for i, (new_ids, new_text) in added.items():

@@ -80,12 +80,16 @@ def request_problem(prompt_ids: Sequence[int], max_tokens: int, spec: ModelSpec,
     return None
 
 
-def resume_problem(resume_ids: Sequence[int], max_tokens: int, spec: ModelSpec) -> str | None:
-    """Why ``resume_ids`` cannot continue a request with this output limit, or None."""
+def resume_problem(resume_ids: Sequence[int], max_tokens: int, spec: ModelSpec,
+                   aligned_prompt_tokens: int = 0) -> str | None:
+    """Why ``resume_ids`` cannot continue a request with this output limit, or None.
+    Blocks aligned to the sequence's start (``aligned_prompt_tokens``: the prompt's length)
+    end where prompt + resumed ids fill a whole block."""
     if not resume_ids:
         return None
-    if len(resume_ids) % spec.block_length:
-        return f"resume_ids must be whole blocks of {spec.block_length} tokens"
+    if (aligned_prompt_tokens + len(resume_ids)) % spec.block_length:
+        what = "resume_ids, after the prompt, must end a block" if aligned_prompt_tokens else "resume_ids must be whole blocks"
+        return f"{what} of {spec.block_length} tokens"
     if len(resume_ids) >= max_tokens:
         return "resume_ids must be shorter than max_tokens"
     if any(not 0 <= t < spec.vocab_size for t in resume_ids) or spec.mask_token_id in resume_ids:

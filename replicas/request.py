@@ -72,13 +72,15 @@ class Request:
     block_length: int
     arrival_time: float  # on the engine's clock
     on_output: Callable[[RequestOutput], None] | None = None
+    # blocks aligned to the sequence's start (EngineConfig.block_alignment 'prompt'): the
+    # first answer block is the one holding the prompt's (or the resumed output's) end
+    aligned: bool = False
 
     # where the request stands: changed by the scheduler only (replicas.scheduler)
     phase: Phase = Phase.WAITING
     row: int = -1
     pages: list[int] = field(default_factory=list)
     reserved_pages: int = 0
-    prompt_pages: int = 0
     prefilled_pages: int = 0  # pages of the prefix (prompt, resumed blocks) whose KV is in the cache
     block_index: int = 0  # index of the active answer block
     block_steps: int = 0  # forwards of the active block so far
@@ -94,9 +96,30 @@ class Request:
     finish_time: float | None = None
 
     @property
+    def prompt_pages(self) -> int:
+        """Pages of the prompt (the last one maybe partial); aligned: its full pages only."""
+        count = len(self.prompt_ids)
+        return count // self.block_length if self.aligned else -(-count // self.block_length)
+
+    @property
+    def head(self) -> int:
+        """Prompt (or resumed) tokens at the start of the first denoised block (aligned only)."""
+        return (len(self.prompt_ids) + len(self.params.resume_ids)) % self.block_length if self.aligned else 0
+
+    @property
+    def first_block_index(self) -> int:
+        """The block index the request starts denoising at (a continuation goes on from its resumed blocks)."""
+        return 0 if self.aligned else self.resumed_blocks
+
+    @property
+    def answer_offset(self) -> int:
+        """Where the answer starts in the active block: after the head in the first block."""
+        return self.head if self.block_index == self.first_block_index else 0
+
+    @property
     def active_page_index(self) -> int:
         """Page index of the active block."""
-        return self.prompt_pages + self.block_index
+        return self.prefix_pages + self.block_index - self.first_block_index
 
     @property
     def deadline(self) -> float | None:
@@ -109,18 +132,28 @@ class Request:
 
     @property
     def prefix_pages(self) -> int:
-        """Pages prefilled before the first denoised block: the prompt's and the resumed blocks'."""
+        """Pages prefilled before the first denoised block: the prompt's and the resumed
+        blocks' (aligned: the whole pages of prompt + resumed output)."""
+        if self.aligned:
+            return (len(self.prompt_ids) + len(self.params.resume_ids)) // self.block_length
         return self.prompt_pages + self.resumed_blocks
 
     def page_tokens(self, page_index: int) -> int:
-        """Tokens on a prefix page: full pages, except the prompt's last."""
-        if page_index == self.prompt_pages - 1:
+        """Tokens on a prefix page: full pages, except the prompt's last (unaligned)."""
+        if not self.aligned and page_index == self.prompt_pages - 1:
             return len(self.prompt_ids) - page_index * self.block_length
         return self.block_length
 
     @property
     def max_blocks(self) -> int:
         return blocks_needed(self.params.max_tokens, self.block_length)
+
+    @property
+    def blocks_to_denoise(self) -> int:
+        """Blocks the request can still take (each one page)."""
+        if self.aligned:
+            return blocks_needed(self.head + self.params.max_tokens - len(self.params.resume_ids), self.block_length)
+        return self.max_blocks - self.resumed_blocks
 
     def emit(self, output: RequestOutput) -> None:
         if self.on_output is not None:

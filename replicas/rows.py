@@ -31,12 +31,21 @@ class RowTable:
     def num_free(self) -> int:
         return len(self._free)
 
-    def acquire(self, prompt_ids: list[int], pages: list[int], resume_ids: Sequence[int] = ()) -> int:
+    def acquire(self, prompt_ids: list[int], pages: list[int], resume_ids: Sequence[int] = (),
+                aligned: bool = False) -> int:
         """Claim a row for a prompt and the blocks ``resume_ids`` it resumes with (whole
         blocks, on the pages after the prompt's); ``pages``: the prompt's pages, then one
-        per resumed block."""
+        per resumed block. ``aligned``: prompt and resumed ids run on without a gap, and
+        ``pages`` are their whole pages (the rest goes in the first block's page)."""
         row = self._free.pop()
         size = self.page_size
+        if aligned:
+            fixed = list(prompt_ids) + list(resume_ids)
+            self.tokens[row].view(-1)[:len(fixed)] = torch.tensor(fixed, dtype=torch.long)
+            self.prompt_pages[row] = len(pages)
+            self.prompt_tail[row] = size
+            self.page_table[row, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+            return row
         count = len(prompt_ids)
         prompt_pages = len(pages) - len(resume_ids) // size
         flat = self.tokens[row].view(-1)
@@ -48,9 +57,10 @@ class RowTable:
         self.page_table[row, : len(pages)] = torch.tensor(pages, dtype=torch.long)
         return row
 
-    def start_block(self, row: int, page_index: int, page: int, mask_id: int) -> None:
+    def start_block(self, row: int, page_index: int, page: int, mask_id: int, keep: int = 0) -> None:
+        """Mask the block on ``page``, but for its first ``keep`` tokens (an aligned prompt's end)."""
         self.page_table[row, page_index] = page
-        self.tokens[row, page_index] = mask_id
+        self.tokens[row, page_index, keep:] = mask_id
 
     def lay_canvas(self, row: int, first_page_index: int, pages: list[int], mask_id: int) -> None:
         """The full canvas: masked blocks on ``pages`` from ``first_page_index`` on."""

@@ -29,7 +29,6 @@ from replicas.batch import ScheduledBatch
 from replicas.batching import (Phase, RowAction, SchedulerMode, admission_open, end_of_round,
                                may_hold_for_arrivals, waits_to_fill)
 from replicas.kv_cache import PagePool
-from replicas.limits import pages_needed
 from replicas.request import Request
 from replicas.rows import RowTable
 
@@ -148,15 +147,14 @@ class Scheduler:
             return
         while self.waiting and len(self.running) < self.max_batch and self.rows.num_free:
             request = self.waiting[0]
-            pages = pages_needed(len(request.prompt_ids), request.params.max_tokens, self.block_length)
-            if not self.pool.reserve(pages):
+            if not self.pool.reserve(request.prefix_pages + request.blocks_to_denoise):
                 break  # FIFO: the head waits for pages, nobody overtakes it
             self.waiting.popleft()
-            request.prompt_pages = pages - request.max_blocks
-            request.block_index = request.resumed_blocks
-            request.reserved_pages = request.max_blocks - request.resumed_blocks
+            request.block_index = request.first_block_index
+            request.reserved_pages = request.blocks_to_denoise
             request.pages = [self.pool.take() for _ in range(request.prefix_pages)]
-            request.row = self.rows.acquire(request.prompt_ids, request.pages, request.params.resume_ids)
+            request.row = self.rows.acquire(request.prompt_ids, request.pages, request.params.resume_ids,
+                                            request.aligned)
             if self.full_canvas:
                 canvas = [self.pool.take() for _ in range(request.reserved_pages)]
                 self.rows.lay_canvas(request.row, request.prefix_pages, canvas, self.mask_id)
@@ -172,7 +170,7 @@ class Scheduler:
             page = self.pool.take()
             request.reserved_pages -= 1
             request.pages.append(page)
-        self.rows.start_block(request.row, request.active_page_index, page, self.mask_id)
+        self.rows.start_block(request.row, request.active_page_index, page, self.mask_id, request.answer_offset)
         request.algorithm_state = request.algorithm.init_state(request.algorithm_params, request.block_index)
         request.block_steps = 0
         request.phase = Phase.DENOISE

@@ -18,6 +18,7 @@ ALGORITHM_CASES = {
     "fast_dllm_threshold": {},
     "fast_dllm_factor": {},
     "fixed_steps": {"steps": 4},
+    "dream": {"steps": 8, "alg": "topk_margin"},
     "low_confidence (sampled)": {"temperature": 0.8, "top_p": 0.9, "seed": 11},
     "fixed_steps (sampled)": {"steps": 4, "temperature": 0.7, "seed": 5},
 }

@@ -1,11 +1,14 @@
-"""The canvas setting: per-model defaults, refusal where it cannot apply, pages and batching."""
+"""The sequence layout settings: the canvas (per-model defaults, refusal where it cannot
+apply, pages and batching) and the blocks' alignment."""
 
 import pytest
+import torch
 
 from checkpoint_builders import OVERRIDES
 from replicas.canvas_bench import bench_canvas
+from replicas.attention import DenseAttentionContext
 from replicas.engine import Engine, EngineConfig
-from replicas.request import SamplingParams
+from replicas.request import RequestError, SamplingParams
 
 
 def engine_for(checkpoint_dir, arch, **config):
@@ -56,3 +59,59 @@ def test_bench_canvas_runs_both_canvases_through_the_same_forwards():
         assert full["tokens_per_s"] > 0 and block["tokens_per_s"] > 0
     assert main(["bench", "canvas", "--batch-sizes", "1", "--d-model", "64", "--layers", "1", "--max-tokens", "32",
                  "--prompt-len", "8", "--json"]) == 0
+
+
+PROMPT = [5 + (i * 7) % 80 for i in range(45)]
+
+
+def spy_sequences(engine):
+    """For every forward of a one-request engine: the row's whole sequence up to the end of
+    its active block (what the block attends to) and the block's logits."""
+    seen, forward = [], engine.runner.forward
+
+    def spy(batch):
+        logits, seconds = forward(batch)
+        if engine.scheduler.stepped:
+            request = engine.scheduler.stepped[0]
+            end = (request.active_page_index + 1) * engine.block_length
+            seen.append((engine.rows.tokens[request.row].view(-1)[:end].tolist(), logits[0]))
+        return logits, seconds
+
+    engine.runner.forward = spy
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["SDARForCausalLM", "LLaDA2MoeModelLM"])
+def test_aligned_blocks_continue_the_prompts_last_block(checkpoint_dir, arch):
+    """block_alignment 'prompt': the sequence is prompt + answer without a gap, cut into
+    blocks from its start; every forward's logits equal a dense block-causal forward over
+    it, and the answer is what follows the prompt."""
+    engine = engine_for(checkpoint_dir, arch, max_batch=1, block_alignment="prompt", max_tokens_per_step=64)
+    size = engine.block_length
+    seen = spy_sequences(engine)
+    output = engine.generate([PROMPT], SamplingParams(max_tokens=2 * size, ignore_eos=True))[0]
+    assert len(PROMPT) % size  # the prompt ends inside a block
+    first_block_start = len(PROMPT) // size * size
+    assert seen[0][0][:len(PROMPT)] == PROMPT and len(seen[0][0]) == first_block_start + size
+    for sequence, logits in seen:
+        positions = torch.arange(len(sequence))
+        page = positions // size
+        mask = (page[None, :] <= page[:, None])[None, None]
+        with torch.inference_mode():
+            dense = engine.model(torch.tensor([sequence]), positions[None], DenseAttentionContext(mask))[0]
+        torch.testing.assert_close(logits, dense[-size:], rtol=1e-4, atol=1e-4)
+    final = seen[-1][0][len(PROMPT):]  # the last forward filled the masks left in it
+    assert len(output.new_token_ids) == 2 * size <= len(final)  # the last block may run past max_tokens
+    assert all(seen_token in (token, engine.spec.mask_token_id) for token, seen_token in zip(output.new_token_ids, final))
+
+
+def test_an_aligned_request_resumes_where_prompt_and_output_end_a_block(checkpoint_dir):
+    engine = engine_for(checkpoint_dir, "SDARForCausalLM", max_batch=1, block_alignment="prompt")
+    size = engine.block_length
+    whole = engine.generate([PROMPT], SamplingParams(max_tokens=4 * size, ignore_eos=True))[0].new_token_ids
+    committed = whole[:size - len(PROMPT) % size + size]  # the first two answer blocks
+    resumed = engine.generate([PROMPT], SamplingParams(max_tokens=4 * size, ignore_eos=True,
+                                                       resume_ids=tuple(committed)))[0]
+    assert committed + resumed.new_token_ids == whole
+    with pytest.raises(RequestError, match="after the prompt, must end a block"):
+        engine.make_request(PROMPT, SamplingParams(max_tokens=4 * size, resume_ids=tuple(whole[:size])))
