@@ -31,7 +31,7 @@ import torch
 
 from .base import AlgorithmError, AlgorithmParams, DllmAlgorithm, check_number, register, short_repr
 from .fixed_steps import MAX_STEPS
-from .sampling import RowNoise, TopKTopPParams, sampling_rows, uniform_rows
+from .sampling import RowNoise, TopKTopPParams, greedy_tokens, sampling_rows, uniform_rows
 from .selection import masked_confidence, per_row, top_n
 
 ALGS = ("entropy", "maskgit_plus", "topk_margin", "origin")
@@ -85,8 +85,8 @@ class Dream(DllmAlgorithm):
         masked = block == mask_id
         remaining = masked.sum(-1)
         noise = [state.noise for state in states]
-        probs = _probabilities(logits, mask_id, params)
-        tokens = _tokens(probs, params, noise)
+        probs = _probabilities(logits, params)
+        tokens = _tokens(logits, probs, mask_id, params, noise)
         ratio, last = _transfer_ratio(params, states)
         quota = torch.where(last, remaining, (remaining.float() * ratio).long())
         chosen = torch.zeros_like(masked)
@@ -105,10 +105,10 @@ class Dream(DllmAlgorithm):
         return remaining == 0
 
 
-def _probabilities(logits: torch.Tensor, mask_id: int, params: Sequence[DreamParams]) -> torch.Tensor:
-    """softmax of the tempered logits after Dream's top-p, then top-k filter (float32)."""
+def _probabilities(logits: torch.Tensor, params: Sequence[DreamParams]) -> torch.Tensor:
+    """softmax of the tempered logits after Dream's top-p, then top-k filter (float32); the
+    mask id keeps its share, as in Dream, so the confidences are Dream's."""
     scaled = logits.float().clone()
-    scaled[..., mask_id] = float("-inf")
     rows, temperature = sampling_rows(params, logits.device)
     if rows:
         scaled[rows] /= temperature[rows, None, None].float()
@@ -123,15 +123,17 @@ def _probabilities(logits: torch.Tensor, mask_id: int, params: Sequence[DreamPar
     return scaled.softmax(-1)
 
 
-def _tokens(probs: torch.Tensor, params: Sequence[DreamParams], noise: Sequence[RowNoise | None]) -> torch.Tensor:
-    """Argmax, or a categorical draw (inverse CDF) in the rows that sample."""
-    tokens = probs.argmax(-1)
+def _tokens(logits: torch.Tensor, probs: torch.Tensor, mask_id: int, params: Sequence[DreamParams],
+            noise: Sequence[RowNoise | None]) -> torch.Tensor:
+    """Argmax, or a categorical draw (inverse CDF) in the rows that sample; never the mask
+    id (where the filters left only the mask, the argmax of the other tokens)."""
+    tokens = greedy_tokens(logits, mask_id)
     rows, _ = sampling_rows(params, probs.device)
     if rows:
-        cdf = probs[rows].cumsum(-1)
+        cdf = probs[rows].index_fill(-1, torch.tensor([mask_id], device=probs.device), 0.0).cumsum(-1)
         draw = uniform_rows(noise, rows, (probs.shape[1],), probs.device, torch.float32)
-        pick = (cdf < draw.unsqueeze(-1) * cdf[..., -1:]).sum(-1)
-        tokens[rows] = pick.clamp(max=probs.shape[-1] - 1)
+        pick = (cdf < draw.unsqueeze(-1) * cdf[..., -1:]).sum(-1).clamp(max=probs.shape[-1] - 1)
+        tokens[rows] = torch.where(cdf[..., -1] > 0, pick, tokens[rows])
     return tokens
 
 

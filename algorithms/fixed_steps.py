@@ -1,10 +1,15 @@
-"""LLaDA's reference sampler (ML-GSAI/LLaDA ``generate.py``): a fixed number of tokens per step.
+"""A fixed number of tokens per step: the reference samplers of LLaDA (ML-GSAI/LLaDA
+``generate.py``), SDAR and LLaDA2.0.
 
-At the block's first step the m masks are spread over ``steps`` steps as
-``get_num_transfer_tokens`` does: m // steps each, one more in the first m % steps steps;
-each step fills that many masked positions, the most confident ones. Confidence is the
-token's softmax probability (``remasking="low_confidence"``) or uniform noise
-(``"random"``); tokens are LLaDA's Gumbel-max draw at ``temperature`` (argmax at 0).
+The block's n positions are spread over ``steps`` steps as ``get_num_transfer_tokens``
+does: n // steps each, one more in the first n % steps steps; n is the block's masks at
+its first step (``schedule="masks"``, LLaDA) or the block length (``"block"``, SDAR and
+LLaDA2.0, whose first block may start with the prompt's end). Each step fills that many
+masked positions (at most those left), the most confident ones, or every one above
+``threshold`` when they are more (SDAR's and LLaDA2.0's dynamic rule; 1 never fires).
+Confidence is the token's softmax probability (``remasking="low_confidence"``), uniform
+noise (``"random"``) or the position, leftmost first (``"sequential"``, SDAR); tokens are
+LLaDA's Gumbel-max draw at ``temperature`` (argmax at 0).
 
 LLaDA's ``steps`` counts steps over the whole answer (``steps // num_blocks`` per block);
 here ``steps`` is per block. The default 32 is LLaDA's own example (128 steps, 128 tokens,
@@ -22,7 +27,8 @@ from .base import AlgorithmError, AlgorithmParams, DllmAlgorithm, check_number, 
 from .sampling import RowNoise, gumbel_tokens, token_probability, uniform_rows
 from .selection import masked_confidence, per_row, top_n
 
-REMASKING = ("low_confidence", "random")
+REMASKING = ("low_confidence", "random", "sequential")
+SCHEDULES = ("masks", "block")
 MAX_STEPS = 4096  # per block; more steps than a block has masks fill one token per step anyway
 
 
@@ -30,13 +36,17 @@ MAX_STEPS = 4096  # per block; more steps than a block has masks fill one token 
 class FixedStepsParams(AlgorithmParams):
     steps: int = 32
     remasking: str = "low_confidence"
+    schedule: str = "masks"
+    threshold: float = 1.0
 
     def validate(self) -> None:
         super().validate()
         check_number("steps", self.steps, minimum=1, maximum=MAX_STEPS, integer=True)
-        if not isinstance(self.remasking, str) or self.remasking not in REMASKING:
-            raise AlgorithmError(f"remasking must be one of {REMASKING}, got {short_repr(self.remasking)}",
-                                 param="remasking")
+        check_number("threshold", self.threshold, minimum=0, maximum=1)
+        for name, allowed in (("remasking", REMASKING), ("schedule", SCHEDULES)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in allowed:
+                raise AlgorithmError(f"{name} must be one of {allowed}, got {short_repr(value)}", param=name)
 
 
 @dataclasses.dataclass
@@ -70,7 +80,7 @@ class FixedSteps(DllmAlgorithm):
         device = block.device
         masked = block == mask_id
         remaining = masked.sum(-1)
-        quota = _next_quota(remaining, params, states)
+        quota = _next_quota(remaining, block.shape[1], params, states)
 
         noise = [state.noise for state in states]
         tokens = gumbel_tokens(logits, mask_id, params, noise)
@@ -79,22 +89,27 @@ class FixedSteps(DllmAlgorithm):
         if random_rows:
             shape = (block.shape[1],)
             confidence[random_rows] = uniform_rows(noise, random_rows, shape, device, torch.float32)
+        sequential_rows = [row for row, p in enumerate(params) if p.remasking == "sequential"]
+        if sequential_rows:
+            confidence[sequential_rows] = -torch.arange(block.shape[1], device=device, dtype=confidence.dtype)
 
-        chosen = top_n(masked_confidence(confidence, masked), quota)
+        confidence = masked_confidence(confidence, masked)
+        above = confidence > per_row(params, "threshold", device, confidence.dtype)[:, None]
+        chosen = torch.where((above.sum(-1) >= quota)[:, None], above, top_n(confidence, quota))
         block.copy_(torch.where(chosen, tokens, block))
         return remaining == 0
 
 
 def _next_quota(
-    remaining: torch.Tensor, params: Sequence[FixedStepsParams], states: Sequence[FixedStepsState]
+    remaining: torch.Tensor, block_length: int, params: Sequence[FixedStepsParams], states: Sequence[FixedStepsState]
 ) -> torch.Tensor:
     """Tokens to fill this step per row, from LLaDA's schedule; advances each row's step count.
 
     Never 0 while masks remain (should the block hold more masks than the schedule expects).
     """
-    for state, count in zip(states, remaining.tolist()):
+    for state, p, count in zip(states, params, remaining.tolist()):
         if state.initial_masks is None:
-            state.initial_masks = count
+            state.initial_masks = count if p.schedule == "masks" else block_length
     device = remaining.device
     initial = per_row(states, "initial_masks", device, torch.long)
     taken = per_row(states, "steps_taken", device, torch.long)

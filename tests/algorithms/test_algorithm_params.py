@@ -20,7 +20,8 @@ DEFAULTS = {
     },
     "fast_dllm_threshold": {"threshold": 0.9, "temperature": 0.0},
     "fast_dllm_factor": {"factor": 1.0, "temperature": 0.0},
-    "fixed_steps": {"steps": 32, "remasking": "low_confidence", "temperature": 0.0},
+    "fixed_steps": {"steps": 32, "remasking": "low_confidence", "schedule": "masks", "threshold": 1.0,
+                    "temperature": 0.0},
     "dream": {"steps": 32, "alg": "entropy", "alg_temp": 0.0, "eps": 1e-3, "temperature": 0.0, "top_k": 0,
               "top_p": 1.0},
 }
@@ -82,6 +83,8 @@ BAD_VALUES = [
     ("fixed_steps", "steps", 0),
     ("fixed_steps", "steps", True),
     ("fixed_steps", "remasking", "entropy"),
+    ("fixed_steps", "schedule", "tokens"),
+    ("fixed_steps", "threshold", 1.5),
     ("fixed_steps", "temperature", "hot"),
     ("dream", "alg", "low_confidence"),
     ("dream", "alg_temp", -1.0),

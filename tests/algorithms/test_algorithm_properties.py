@@ -35,7 +35,9 @@ RULE_PARAMS = {
     "fast_dllm_factor": {"factor": st.sampled_from([0.1, 1.0, 3.0])},
     "fixed_steps": {
         "steps": st.integers(1, 10),
-        "remasking": st.sampled_from(["low_confidence", "random"]),
+        "remasking": st.sampled_from(["low_confidence", "random", "sequential"]),
+        "schedule": st.sampled_from(["masks", "block"]),
+        "threshold": st.sampled_from([1.0, 1.0, 0.5, 0.0]),
     },
     "dream": {
         "steps": st.integers(1, 10),

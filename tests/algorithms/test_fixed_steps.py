@@ -49,6 +49,29 @@ def test_schedule_counts_masks_at_block_start():
     assert fill_counts({"steps": 2}, block) == [3, 2]
 
 
+def test_the_block_schedule_counts_the_block_length():
+    """SDAR / LLaDA2.0: a first block that starts with the prompt's end (3 tokens here) still
+    follows the block length's schedule, capped at the masks left."""
+    block = torch.tensor([[1, 2, 3, MASK, MASK, MASK, MASK, MASK]])
+    assert fill_counts({"steps": 2, "schedule": "block"}, block) == [4, 1]
+
+
+def test_above_threshold_fills_more_than_the_quota_and_never_less():
+    logits = logits_of([[(1, 0.5), (2, 0.9), (3, 0.3), (4, 0.8), (5, 0.6)]])
+    block = torch.full((1, 5), MASK)
+    after, _, _ = run_step("fixed_steps", logits, block, {"steps": 5, "threshold": 0.55})
+    assert filled(block, after) == [[1, 3, 4]]  # three above 0.55, quota 1
+    after, _, _ = run_step("fixed_steps", logits, block, {"steps": 2, "threshold": 0.85})
+    assert filled(block, after) == [[1, 3, 4]]  # one above 0.85, quota 3: the three most confident
+
+
+def test_sequential_remasking_fills_leftmost_first():
+    logits = logits_of([[(1, 0.5), (2, 0.9), (3, 0.3), (4, 0.8), (5, 0.6)]])
+    block = torch.tensor([[6, MASK, MASK, MASK, MASK]])
+    after, _, _ = run_step("fixed_steps", logits, block, {"steps": 2, "remasking": "sequential", "schedule": "block"})
+    assert filled(block, after) == [[1, 2, 3]]
+
+
 def test_low_confidence_remasking_fills_the_most_confident():
     logits = logits_of([[(1, 0.5), (2, 0.9), (3, 0.3), (4, 0.8), (5, 0.6)]])
     block = torch.full((1, 5), MASK)

@@ -6,12 +6,13 @@ two safetensors shards with ``model.safetensors.index.json``, and a character to
 whose mask and EOS tokens have the ids the model uses.
 """
 
+import hashlib
 import json
 import string
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, decoders
 
 VOCAB, MASK_ID, EOS_ID, PAD_ID = 256, 250, 251, 252
@@ -164,3 +165,16 @@ def write_checkpoint(path: Path, arch: str, seed: int = 0) -> Path:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     save_tokenizer(path)
     return path
+
+
+def weights_sha256(path: Path) -> str:
+    """sha256 over a checkpoint's tensors sorted by name: the utf-8 name, a NUL byte, then
+    the float32 little-endian bytes (what the parity fixtures record)."""
+    tensors = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        tensors |= load_file(str(shard))
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode() + b"\0")
+        digest.update(tensors[name].contiguous().numpy().astype("<f4", copy=False).tobytes())
+    return digest.hexdigest()
