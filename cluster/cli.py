@@ -170,7 +170,7 @@ def cmd_bench(args) -> int:
     elif args.target == "canvas":
         from replicas.canvas_bench import bench_canvas
 
-        result = bench_canvas(tuple(args.batch_sizes), args.prompt_len, args.max_tokens, args.steps,
+        result = bench_canvas(tuple(args.batch_sizes), args.prompt_len, args.max_tokens, args.steps, args.rounds,
                               d_model=args.d_model, layers=args.layers, mlp=int(args.d_model * 2.75))
     else:
         from loadgen.capacity.policy_bench import bench_policies
@@ -501,6 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     canvas.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
     canvas.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default 128)")
     canvas.add_argument("--steps", type=int, default=8, help="fixed_steps forwards per block (default 8)")
+    canvas.add_argument("--rounds", type=int, default=2,
+                        help="rounds of both canvases in alternating order; ratios are medians (default 2)")
     canvas.add_argument("--d-model", type=int, default=2048, help="hidden size (default 2048)")
     canvas.add_argument("--layers", type=int, default=16, help="transformer layers (default 16)")
     canvas.add_argument("--json", action="store_true", help="one JSON object on one line")

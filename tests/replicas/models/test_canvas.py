@@ -52,7 +52,8 @@ def test_full_canvas_rows_do_not_depend_on_their_batch(checkpoint_dir, kv_cache)
 def test_bench_canvas_runs_both_canvases_through_the_same_forwards():
     from cluster.cli import main
 
-    report = bench_canvas((1, 2), prompt_len=20, max_tokens=64, steps=4, d_model=64, layers=1, heads=4, mlp=128)
+    report = bench_canvas((1, 2), prompt_len=20, max_tokens=64, steps=4, rounds=2, d_model=64, layers=1, heads=4,
+                          mlp=128)
     for batch in (1, 2):
         block, full = report[f"batch_{batch}"]["block"], report[f"batch_{batch}"]["full"]
         assert block["steps"] == full["steps"] == 2 * 4  # two blocks of four forwards, fused commits
