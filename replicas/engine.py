@@ -79,12 +79,12 @@ class Engine:
         self.rows = RowTable(config.max_batch, self.max_pages_per_request, size, pad_id=spec.eos_token_id)
         kv_cache = KVCache(spec.num_layers, num_pages, size, spec.num_kv_heads, spec.head_dim, dtype, device)
         self.canvas = config.canvas or (spec.canvas if spec.bidirectional else "block")
-        self.aligned = config.block_alignment == "prompt"
+        self.runner = ModelRunner(self.model, self.rows, kv_cache, device, config.kv_cache,
+                                  config.attention_backend, self.canvas)
+        self.aligned = (config.block_alignment or spec.block_alignment) == "prompt"
         if self.aligned and self.canvas == "full":
             raise ValueError("block_alignment 'prompt' is the block-causal models' reference; "
                              "with canvas 'full' use block_alignment 'page'")
-        self.runner = ModelRunner(self.model, self.rows, kv_cache, device, config.kv_cache,
-                                  config.attention_backend, self.canvas)
         self.cost_model = OnlineCostModel(config.max_batch, clock=clock)
         self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.rows, config.max_batch,
                                    budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,

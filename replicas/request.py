@@ -109,7 +109,9 @@ class Request:
     @property
     def first_block_index(self) -> int:
         """The block index the request starts denoising at (a continuation goes on from its resumed blocks)."""
-        return 0 if self.aligned else self.resumed_blocks
+        if self.aligned:  # the answer's blocks start with the one holding the prompt's end
+            return self.prefix_pages - len(self.prompt_ids) // self.block_length
+        return self.resumed_blocks
 
     @property
     def answer_offset(self) -> int:

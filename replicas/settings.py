@@ -39,11 +39,11 @@ class EngineConfig(BaseModel):
                           "'block': a block sees only the prompt, committed blocks and itself (faster); "
                           "default: the model's (full for LLaDA and Dream, block otherwise); full needs a "
                           "bidirectional model")
-    block_alignment: Literal["page", "prompt"] = Field(
-        "page", description="'page': the answer's first block starts on a fresh page after the prompt; 'prompt': "
-                            "blocks are aligned to the sequence's start and the first answer block fills the rest "
-                            "of the prompt's last block (the reference generation of SDAR and LLaDA2.0; canvas "
-                            "block only)")
+    block_alignment: Literal["page", "prompt"] | None = Field(
+        None, description="'page': the answer's first block starts on a fresh page after the prompt; 'prompt': "
+                          "blocks are aligned to the sequence's start and the first answer block fills the rest "
+                          "of the prompt's last block (the reference generation of SDAR and LLaDA2.0; canvas "
+                          "block only); default: the model's ('prompt' for SDAR and LLaDA2.0, 'page' otherwise)")
     attention_backend: Literal["auto", "sdpa", "flash"] = Field(
         "auto", description="attention kernel: 'flash' is vllm-flash-attn (CUDA, the gpu extra); auto picks it when usable")
     lora: str | None = Field(None, description="PEFT LoRA adapter directory merged into the weights at load")

@@ -30,6 +30,7 @@ class ModelDefaults:
     attention: str
     shift_logits: bool = False
     canvas: str = "block"
+    block_alignment: str = "page"
     algorithm: str = "low_confidence"
     algorithm_params: dict[str, Any] = field(default_factory=dict)
     stop_token_ids: tuple[int, ...] = ()
@@ -44,10 +45,11 @@ DEFAULTS: dict[str, ModelDefaults] = {
     "DreamModel": ModelDefaults(32, 151666, 151643, "bidirectional", shift_logits=True, canvas="full",
                                 algorithm_params={"threshold": 0.9}, stop_token_ids=(151645,)),
     # LLaDA2.0-mini: <|mask|> 156895, <|endoftext|> 156892
-    "LLaDA2MoeModelLM": ModelDefaults(32, 156895, 156892, "block_causal", algorithm_params={"threshold": 0.95}),
+    "LLaDA2MoeModelLM": ModelDefaults(32, 156895, 156892, "block_causal", block_alignment="prompt",
+                                      algorithm_params={"threshold": 0.95}),
     # SDAR (Qwen3 tokenizer): <|MASK|> 151669, <|im_end|> 151645, <|endoftext|> 151643
-    "SDARForCausalLM": ModelDefaults(4, 151669, 151645, "block_causal", algorithm_params={"threshold": 0.95},
-                                     stop_token_ids=(151643,)),
+    "SDARForCausalLM": ModelDefaults(4, 151669, 151645, "block_causal", block_alignment="prompt",
+                                     algorithm_params={"threshold": 0.95}, stop_token_ids=(151643,)),
 }
 
 OVERRIDABLE = ("block_length", "mask_token_id", "eos_token_id", "stop_token_ids", "attention",
@@ -86,7 +88,7 @@ def default_spec(architecture: str, config, shape) -> ModelSpec:
         eos_token_id=_config_id(config, "eos_token_id", table.eos_token_id),
         vocab_size=shape.vocab_size, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim, max_positions=shape.max_positions, attention=table.attention,
-        shift_logits=table.shift_logits, canvas=table.canvas,
+        shift_logits=table.shift_logits, canvas=table.canvas, block_alignment=table.block_alignment,
         default_algorithm=table.algorithm, default_algorithm_params=dict(table.algorithm_params),
     )
     return with_stop_ids(spec, table.stop_token_ids + listed_ids(getattr(config, "eos_token_id", None)))

@@ -26,6 +26,9 @@ class ModelSpec:
     # "full": every block's masks are in the sequence from the start (bidirectional models'
     # reference generation); "block": a block sees only what precedes it (replicas.runner)
     canvas: str = "block"
+    # "prompt": blocks are aligned to the sequence's start, the first answer block fills the
+    # rest of the prompt's last block (SDAR, LLaDA2.0); "page": it starts on a fresh page
+    block_alignment: str = "page"
     # positions run on from the prompt's last token into the first block; False leaves the
     # gap up to the prompt's page boundary (the tiny model was trained that way)
     contiguous_positions: bool = True

@@ -16,10 +16,13 @@ def engine_for(checkpoint_dir, arch, **config):
         model_overrides=OVERRIDES[arch], **config))
 
 
-@pytest.mark.parametrize("arch, expected", [("LLaDAModelLM", "full"), ("DreamModel", "full"),
-                                            ("SDARForCausalLM", "block"), ("LLaDA2MoeModelLM", "block")])
-def test_the_default_canvas_is_the_models_reference(checkpoint_dir, arch, expected):
-    assert engine_for(checkpoint_dir, arch, max_batch=1).canvas == expected
+@pytest.mark.parametrize("arch, canvas, aligned", [
+    ("LLaDAModelLM", "full", False), ("DreamModel", "full", False),
+    ("SDARForCausalLM", "block", True), ("LLaDA2MoeModelLM", "block", True)])
+def test_the_default_layout_is_the_models_reference(checkpoint_dir, arch, canvas, aligned):
+    engine = engine_for(checkpoint_dir, arch, max_batch=1)
+    assert (engine.canvas, engine.aligned) == (canvas, aligned)
+    assert not Engine.from_pretrained("tiny", EngineConfig(max_batch=1)).aligned  # trained on fresh pages
 
 
 def test_a_block_causal_model_refuses_the_full_canvas(checkpoint_dir):

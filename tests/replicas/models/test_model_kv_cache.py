@@ -66,8 +66,11 @@ def dense_logits(engine, prompt, committed, block, block_at_start=None, later=0)
 
 
 def make_engine(checkpoint_dir, arch, kv_cache="prefix", canvas=None):
+    """The first answer block on a fresh page (the layout ``dense_logits`` builds; the
+    aligned one is checked in test_canvas)."""
     return Engine.from_pretrained(str(checkpoint_dir(arch)), EngineConfig(
-        max_batch=1, kv_cache=kv_cache, max_tokens_per_step=64, model_overrides=OVERRIDES[arch], canvas=canvas))
+        max_batch=1, kv_cache=kv_cache, max_tokens_per_step=64, model_overrides=OVERRIDES[arch], canvas=canvas,
+        block_alignment="page"))
 
 
 PROMPT = [5 + (i * 7) % 80 for i in range(45)]  # 45 tokens: chunked prefill, a partial last page

@@ -1,6 +1,7 @@
 """A continuation (``SamplingParams.resume_ids``) goes on exactly where the first run was:
 resumed after any number of committed blocks, it produces the same tokens and text, for
-every model format and KV policy, greedy and seeded."""
+every model format and KV policy, greedy and seeded (SDAR and LLaDA2.0 with their blocks
+aligned to the sequence's start, whose first answer block holds the prompt's end)."""
 
 import pytest
 
@@ -23,6 +24,13 @@ def engine_for(checkpoint_dir, make_engine):
     return make
 
 
+def committed_tokens(engine: Engine, blocks: int) -> int:
+    """Answer tokens in the first ``blocks`` committed blocks."""
+    size = engine.block_length
+    first = size - len(PROMPT) % size if engine.aligned else size
+    return first + (blocks - 1) * size
+
+
 def run(engine: Engine, prompt, params: SamplingParams):
     [output] = engine.generate([prompt], params)
     return output
@@ -37,12 +45,12 @@ def test_resumed_request_equals_the_uninterrupted_one(engine_for, arch, sampling
     whole = run(engine, PROMPT, params)
     assert len(whole.new_token_ids) == 3 * size + 3
     for blocks in (1, 3):
+        done = committed_tokens(engine, blocks)
         resumed = run(engine, PROMPT, SamplingParams(
-            max_tokens=params.max_tokens, ignore_eos=True, resume_ids=tuple(whole.new_token_ids[:blocks * size]),
-            **sampling))
-        assert resumed.new_token_ids == whole.new_token_ids[blocks * size:]
+            max_tokens=params.max_tokens, ignore_eos=True, resume_ids=tuple(whole.new_token_ids[:done]), **sampling))
+        assert resumed.new_token_ids == whole.new_token_ids[done:]
         assert resumed.num_output_tokens == len(whole.new_token_ids)
-        prefix = engine.tokenizer.decode(whole.new_token_ids[:blocks * size], skip_special_tokens=True)
+        prefix = engine.tokenizer.decode(whole.new_token_ids[:done], skip_special_tokens=True)
         assert prefix + resumed.new_text == whole.new_text
     assert engine.pool.num_free == engine.pool.capacity
 
