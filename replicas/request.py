@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from algorithms import AlgorithmParams, DllmAlgorithm
@@ -76,6 +77,8 @@ class Request:
     # first answer block is the one holding the prompt's (or the resumed output's) end
     aligned: bool = False
 
+    # (the cached properties below depend only on these fields, which never change)
+
     # where the request stands: changed by the scheduler only (replicas.scheduler)
     phase: Phase = Phase.WAITING
     row: int = -1
@@ -95,18 +98,18 @@ class Request:
     first_block_time: float | None = None
     finish_time: float | None = None
 
-    @property
+    @cached_property
     def prompt_pages(self) -> int:
         """Pages of the prompt (the last one maybe partial); aligned: its full pages only."""
         count = len(self.prompt_ids)
         return count // self.block_length if self.aligned else -(-count // self.block_length)
 
-    @property
+    @cached_property
     def head(self) -> int:
         """Prompt (or resumed) tokens at the start of the first denoised block (aligned only)."""
         return (len(self.prompt_ids) + len(self.params.resume_ids)) % self.block_length if self.aligned else 0
 
-    @property
+    @cached_property
     def first_block_index(self) -> int:
         """The block index the request starts denoising at (a continuation goes on from its resumed blocks)."""
         if self.aligned:  # the answer's blocks start with the one holding the prompt's end
@@ -128,11 +131,11 @@ class Request:
         timeout = self.params.timeout_s
         return None if timeout is None else self.arrival_time + timeout
 
-    @property
+    @cached_property
     def resumed_blocks(self) -> int:
         return len(self.params.resume_ids) // self.block_length
 
-    @property
+    @cached_property
     def prefix_pages(self) -> int:
         """Pages prefilled before the first denoised block: the prompt's and the resumed
         blocks' (aligned: the whole pages of prompt + resumed output)."""
@@ -146,11 +149,11 @@ class Request:
             return len(self.prompt_ids) - page_index * self.block_length
         return self.block_length
 
-    @property
+    @cached_property
     def max_blocks(self) -> int:
         return blocks_needed(self.params.max_tokens, self.block_length)
 
-    @property
+    @cached_property
     def blocks_to_denoise(self) -> int:
         """Blocks the request can still take (each one page)."""
         if self.aligned:

@@ -11,7 +11,9 @@ taken from the reservation one block at a time and all returned on release. With
 full canvas (``full_canvas``) every block's page is taken and masked at admission, since
 every position attends to all of them from the first step. A
 continuation (``SamplingParams.resume_ids``) takes its resumed blocks' pages at admission
-and prefills them after its prompt.
+and prefills them after its prompt. A request whose blocks are aligned to the sequence's
+start (``Request.aligned``) prefills the whole pages of prompt + resumed output, and its
+first block starts with the rest (``Request.head``).
 
 Every wait (fixed_fill's fill timeout, fdfo's hold for arrivals) is decided on ``clock``,
 so a test can run the scheduler on virtual time.
