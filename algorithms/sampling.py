@@ -107,9 +107,10 @@ def greedy_tokens(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     """Argmax per position (ties: lowest id); where that is the mask id, the best other token."""
     tokens = logits.argmax(-1)
     hit = tokens == mask_id
-    mask_column = torch.tensor([mask_id], device=logits.device)
-    without_mask = logits[hit].index_fill(-1, mask_column, float("-inf"))
-    tokens[hit] = without_mask.argmax(-1)
+    if hit.any():
+        mask_column = torch.tensor([mask_id], device=logits.device)
+        without_mask = logits[hit].index_fill(-1, mask_column, float("-inf"))
+        tokens[hit] = without_mask.argmax(-1)
     return tokens
 
 

@@ -57,10 +57,15 @@ class RowTable:
         self.page_table[row, : len(pages)] = torch.tensor(pages, dtype=torch.long)
         return row
 
-    def start_block(self, row: int, page_index: int, page: int, mask_id: int, keep: int = 0) -> None:
-        """Mask the block on ``page``, but for its first ``keep`` tokens (an aligned prompt's end)."""
-        self.page_table[row, page_index] = page
-        self.tokens[row, page_index, keep:] = mask_id
+    def start_blocks(self, rows: list[int], page_indices: list[int], pages: list[int], keep: list[int],
+                     mask_id: int) -> None:
+        """Put a new masked block on ``pages[i]`` at page index ``page_indices[i]`` of row
+        ``rows[i]``, but for its first ``keep[i]`` tokens (an aligned prompt's end): one
+        vectorized write for all the blocks a step starts."""
+        index = (torch.tensor(rows), torch.tensor(page_indices))
+        self.page_table[index] = torch.tensor(pages)
+        kept = torch.arange(self.page_size) < torch.tensor(keep)[:, None]
+        self.tokens[index] = torch.where(kept, self.tokens[index], mask_id)
 
     def lay_canvas(self, row: int, first_page_index: int, pages: list[int], mask_id: int) -> None:
         """The full canvas: masked blocks on ``pages`` from ``first_page_index`` on."""

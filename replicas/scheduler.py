@@ -58,6 +58,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.scheduled: list[Request] = []  # the requests of the last batch's rows
         self.stepped: list[Request] = []  # those whose block it steps, in block-unit order
+        self._block_starts: list[tuple[int, int, int, int]] = []  # (row, page index, page, kept tokens)
 
     # ---- queue ------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -80,13 +81,16 @@ class Scheduler:
         """The next step's batch, or None (nothing runnable, or waiting until ``hold_until``)."""
         self.hold_until = None
         self.scheduled, self.stepped = [], []
-        round_over = self._end_round()
-        if self.waiting and admission_open(self.mode, len(self.running), round_over):
-            self._admit()
-        if not self.running or self._fdfo_holds():
-            return None
-        self._held_since = None
-        return self._build_batch()
+        try:
+            round_over = self._end_round()
+            if self.waiting and admission_open(self.mode, len(self.running), round_over):
+                self._admit()
+            if not self.running or self._fdfo_holds():
+                return None
+            self._held_since = None
+            return self._build_batch()
+        finally:
+            self._write_block_starts()
 
     def update_from_step(self, done: Sequence[bool], kv_stale: Sequence[bool] | None = None) -> None:
         """Book the outcome of the last batch: ``done[i]`` says whether the algorithm
@@ -172,10 +176,16 @@ class Scheduler:
             page = self.pool.take()
             request.reserved_pages -= 1
             request.pages.append(page)
-        self.rows.start_block(request.row, request.active_page_index, page, self.mask_id, request.answer_offset)
+        self._block_starts.append((request.row, request.active_page_index, page, request.answer_offset))
         request.algorithm_state = request.algorithm.init_state(request.algorithm_params, request.block_index)
         request.block_steps = 0
         request.phase = Phase.DENOISE
+
+    def _write_block_starts(self) -> None:
+        """Lay out the blocks this schedule started, in one write (before anything reads them)."""
+        if self._block_starts:
+            self.rows.start_blocks(*map(list, zip(*self._block_starts)), self.mask_id)
+            self._block_starts = []
 
     def _release(self, request: Request) -> None:
         self.running.remove(request)

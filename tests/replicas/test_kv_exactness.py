@@ -103,7 +103,7 @@ def test_runner_works_from_the_plain_batch_alone(random_model):
     pages = [pool.take() for _ in range(3)]
     rows = RowTable(2, 4, size, pad_id=random_model.spec.eos_token_id)
     row = rows.acquire(prompt, pages[:2])
-    rows.start_block(row, 2, pages[2], random_model.spec.mask_token_id)
+    rows.start_blocks([row], [2], [pages[2]], [0], random_model.spec.mask_token_id)
     block = [random_model.spec.mask_token_id] * size
     block[3] = 7
     rows.write_blocks(torch.tensor([row]), torch.tensor([2]), torch.tensor([block]))
