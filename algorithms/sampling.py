@@ -90,10 +90,11 @@ def uniform_rows(
 
 def sampling_rows(
     params: Sequence[AlgorithmParams], device: torch.device
-) -> tuple[list[int], torch.Tensor]:
-    """The rows with temperature > 0, and every row's temperature."""
-    temperature = per_row(params, "temperature", device)
-    return (temperature > 0).nonzero().flatten().tolist(), temperature
+) -> tuple[list[int], torch.Tensor | None]:
+    """The rows with temperature > 0, and every row's temperature (None when no row samples:
+    the common greedy step makes no tensor)."""
+    rows = [row for row, p in enumerate(params) if p.temperature > 0]
+    return rows, per_row(params, "temperature", device) if rows else None
 
 
 def token_probability(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
