@@ -50,7 +50,7 @@ from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from replicas.limits import max_request_cost
 from replicas.messages import GenerateChunk, GenerateRequest, request_problem
 from replicas.models import load_model_spec, load_tokenizer
-from replicas.settings import resolve_algorithm
+from replicas.settings import blocks_aligned, resolve_algorithm
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +252,8 @@ class Ingress:
         algorithm = get_algorithm(algorithm_name)
         worst = algorithm.worst_case_steps(algorithm.make_params(algorithm_params), block,
                                            self.config.replica.fused_commit)
+        # aligned blocks: the first answer block also holds the prompt's end
+        head = len(prompt_ids) % block if blocks_aligned(self.config.replica, self.spec) else 0
         return GenerateRequest(
             request_id=protocol.new_id("cmpl"),
             prompt_ids=prompt_ids,
@@ -260,7 +262,7 @@ class Ingress:
             algorithm=algorithm_name,
             algorithm_params=algorithm_params,
             ignore_eos=body.ignore_eos,
-            cost=self.admission.cost(max_tokens, block, worst, max_request_cost(self.max_model_len, block)),
+            cost=self.admission.cost(head + max_tokens, block, worst, max_request_cost(self.max_model_len, block)),
             timeout_s=self.config.request_timeout_s,
         )
 

@@ -33,7 +33,7 @@ from replicas.request import FinishReason, Request, RequestError, RequestOutput,
 from replicas.rows import RowTable
 from replicas.runner import ModelRunner
 from replicas.scheduler import Scheduler
-from replicas.settings import EngineConfig, resolve_algorithm
+from replicas.settings import EngineConfig, blocks_aligned, resolve_algorithm
 from replicas.stats import EngineTotals, StepStats
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class Engine:
         self.canvas = config.canvas or (spec.canvas if spec.bidirectional else "block")
         self.runner = ModelRunner(self.model, self.rows, kv_cache, device, config.kv_cache,
                                   config.attention_backend, self.canvas)
-        self.aligned = (config.block_alignment or spec.block_alignment) == "prompt"
+        self.aligned = blocks_aligned(config, spec)
         if self.aligned and self.canvas == "full":
             raise ValueError("block_alignment 'prompt' is the block-causal models' reference; "
                              "with canvas 'full' use block_alignment 'page'")

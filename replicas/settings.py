@@ -65,6 +65,12 @@ class EngineConfig(BaseModel):
         default_factory=dict, description="parameters of that default algorithm, e.g. {threshold: 0.9}")
 
 
+def blocks_aligned(config: EngineConfig, spec: ModelSpec) -> bool:
+    """Whether answer blocks are aligned to the sequence's start (``block_alignment``
+    'prompt', configured or the model's default)."""
+    return (config.block_alignment or spec.block_alignment) == "prompt"
+
+
 def resolve_algorithm(config: EngineConfig, spec: ModelSpec, name: str | None = None,
                       params: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
     """The algorithm a request runs and its parameters (not yet validated).

@@ -171,6 +171,14 @@ def test_admission_cost_is_capped_at_what_one_replica_row_holds(ingress):
     assert small.cost == block  # one block at the worst case (fused commit: L fills), under the cap
 
 
+def test_aligned_blocks_are_charged_for_the_prompts_end_in_the_first_block():
+    """With blocks aligned to the sequence's start, 16 answer tokens after a 3-token prompt
+    span two blocks of 16 (the first holds the prompt's 3): two blocks' worst case."""
+    _, instance = make_ingress(**{"replica.block_alignment": "prompt"})
+    body = protocol.CompletionRequest(model="tiny", prompt="1.3", max_tokens=16)
+    assert instance._prepare(body, "1.3").cost == 2 * instance.spec.block_length
+
+
 # ---- internal failures: generic to the client, detailed in the log ---------------------------
 async def sse_events(response) -> list:
     events = []
