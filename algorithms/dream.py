@@ -25,6 +25,7 @@ never the mask id.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -115,7 +116,8 @@ def _probabilities(logits: torch.Tensor, params: Sequence[DreamParams]) -> torch
     for row, p in enumerate(params):
         if p.top_p < 1:
             ordered, order = scaled[row].sort(dim=-1, descending=True)
-            mass_before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
+            probs = ordered.softmax(-1)
+            mass_before = probs.cumsum(-1) - probs
             scaled[row] = scaled[row].scatter(-1, order, ordered.masked_fill(mass_before > p.top_p, float("-inf")))
         if p.top_k > 0:
             kth = scaled[row].topk(min(p.top_k, scaled.shape[-1]), dim=-1).values[..., -1:]
@@ -152,10 +154,16 @@ def _transfer_ratio(params: Sequence[DreamParams], states: Sequence[DreamState])
     ratios, last = [], []
     for p, state in zip(params, states):
         i = min(state.steps_taken, p.steps - 1)
-        grid = torch.linspace(1, p.eps, p.steps + 1)
-        ratios.append(1 - grid[i + 1] / grid[i])
+        ratios.append(_transfer_ratios(p.steps, p.eps)[i])
         last.append(i == p.steps - 1)
     return torch.stack(ratios), torch.tensor(last)
+
+
+@functools.lru_cache(maxsize=64)
+def _transfer_ratios(steps: int, eps: float) -> torch.Tensor:
+    """1 - s/t of every step of Dream's float32 time grid ``linspace(1, eps, steps + 1)``."""
+    grid = torch.linspace(1, eps, steps + 1)
+    return 1 - grid[1:] / grid[:-1]
 
 
 def _sampled_keys(confidence: torch.Tensor, params: Sequence[DreamParams],
@@ -163,10 +171,10 @@ def _sampled_keys(confidence: torch.Tensor, params: Sequence[DreamParams],
     """The keys whose top-n is the choice: the confidence, or, in rows with ``alg_temp`` > 0,
     confidence / alg_temp plus Gumbel noise (a draw without replacement from
     softmax(confidence / alg_temp), as Dream's multinomial)."""
-    alg_temp = per_row(params, "alg_temp", confidence.device, torch.float32)
-    rows = (alg_temp > 0).nonzero().flatten().tolist()
+    rows = [row for row, p in enumerate(params) if p.alg_temp > 0]
     if not rows:
         return confidence
+    alg_temp = per_row(params, "alg_temp", confidence.device, torch.float32)
     keys = confidence.clone()
     u = uniform_rows(noise, rows, (confidence.shape[1],), confidence.device, torch.float32)
     gumbel = -torch.log(-torch.log(u.clamp(min=1e-20)))

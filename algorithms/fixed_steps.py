@@ -94,8 +94,10 @@ class FixedSteps(DllmAlgorithm):
             confidence[sequential_rows] = -torch.arange(block.shape[1], device=device, dtype=confidence.dtype)
 
         confidence = masked_confidence(confidence, masked)
-        above = confidence > per_row(params, "threshold", device, confidence.dtype)[:, None]
-        chosen = torch.where((above.sum(-1) >= quota)[:, None], above, top_n(confidence, quota))
+        chosen = top_n(confidence, quota)
+        if any(p.threshold < 1 for p in params):  # every mask above it, when they outnumber the quota
+            above = confidence > per_row(params, "threshold", device, confidence.dtype)[:, None]
+            chosen = torch.where((above.sum(-1) >= quota)[:, None], above, chosen)
         block.copy_(torch.where(chosen, tokens, block))
         return remaining == 0
 

@@ -76,8 +76,7 @@ class Request:
     # blocks aligned to the sequence's start (EngineConfig.block_alignment 'prompt'): the
     # first answer block is the one holding the prompt's (or the resumed output's) end
     aligned: bool = False
-
-    # (the cached properties below depend only on these fields, which never change)
+    # (the fields above never change: the cached properties below derive from them)
 
     # where the request stands: changed by the scheduler only (replicas.scheduler)
     phase: Phase = Phase.WAITING
@@ -105,9 +104,14 @@ class Request:
         return count // self.block_length if self.aligned else -(-count // self.block_length)
 
     @cached_property
+    def fixed_tokens(self) -> int:
+        """Tokens the request starts with: its prompt and the output it resumes."""
+        return len(self.prompt_ids) + len(self.params.resume_ids)
+
+    @cached_property
     def head(self) -> int:
         """Prompt (or resumed) tokens at the start of the first denoised block (aligned only)."""
-        return (len(self.prompt_ids) + len(self.params.resume_ids)) % self.block_length if self.aligned else 0
+        return self.fixed_tokens % self.block_length if self.aligned else 0
 
     @cached_property
     def first_block_index(self) -> int:
@@ -140,7 +144,7 @@ class Request:
         """Pages prefilled before the first denoised block: the prompt's and the resumed
         blocks' (aligned: the whole pages of prompt + resumed output)."""
         if self.aligned:
-            return (len(self.prompt_ids) + len(self.params.resume_ids)) // self.block_length
+            return self.fixed_tokens // self.block_length
         return self.prompt_pages + self.resumed_blocks
 
     def page_tokens(self, page_index: int) -> int:

@@ -39,21 +39,18 @@ class RowTable:
         ``pages`` are their whole pages (the rest goes in the first block's page)."""
         row = self._free.pop()
         size = self.page_size
-        if aligned:
-            fixed = list(prompt_ids) + list(resume_ids)
-            self.tokens[row].view(-1)[:len(fixed)] = torch.tensor(fixed, dtype=torch.long)
-            self.prompt_pages[row] = len(pages)
-            self.prompt_tail[row] = size
-            self.page_table[row, : len(pages)] = torch.tensor(pages, dtype=torch.long)
-            return row
         count = len(prompt_ids)
-        prompt_pages = len(pages) - len(resume_ids) // size
         flat = self.tokens[row].view(-1)
+        if aligned:  # the prefix is whole pages; no partial prompt page to mask out
+            prompt_pages, tail, resume_at = len(pages), size, count
+        else:
+            prompt_pages = len(pages) - len(resume_ids) // size
+            tail, resume_at = count - (prompt_pages - 1) * size, prompt_pages * size
         flat[:count] = torch.tensor(prompt_ids, dtype=torch.long)
         if resume_ids:
-            flat[prompt_pages * size: prompt_pages * size + len(resume_ids)] = torch.tensor(resume_ids, dtype=torch.long)
+            flat[resume_at: resume_at + len(resume_ids)] = torch.tensor(resume_ids, dtype=torch.long)
         self.prompt_pages[row] = prompt_pages
-        self.prompt_tail[row] = count - (prompt_pages - 1) * size
+        self.prompt_tail[row] = tail
         self.page_table[row, : len(pages)] = torch.tensor(pages, dtype=torch.long)
         return row
 

@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint_builders import write_checkpoint
+from checkpoint_builders import OVERRIDES, write_checkpoint
+from replicas.engine import Engine, EngineConfig
 
 
 @pytest.fixture(scope="session")
@@ -15,3 +16,12 @@ def checkpoint_dir(tmp_path_factory):
             built[arch] = write_checkpoint(tmp_path_factory.mktemp(arch), arch)
         return built[arch]
     return get
+
+
+@pytest.fixture
+def checkpoint_engine(checkpoint_dir):
+    """``checkpoint_engine(arch, **config)``: an engine over ``arch``'s tiny checkpoint, with
+    the id overrides it needs."""
+    def make(arch: str, **config) -> Engine:
+        return Engine.from_pretrained(str(checkpoint_dir(arch)), EngineConfig(model_overrides=OVERRIDES[arch], **config))
+    return make

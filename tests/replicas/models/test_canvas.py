@@ -4,43 +4,37 @@ apply, pages and batching) and the blocks' alignment."""
 import pytest
 import torch
 
-from checkpoint_builders import OVERRIDES
 from replicas.canvas_bench import bench_canvas
 from replicas.attention import DenseAttentionContext
 from replicas.engine import Engine, EngineConfig
 from replicas.request import RequestError, SamplingParams
 
 
-def engine_for(checkpoint_dir, arch, **config):
-    return Engine.from_pretrained(str(checkpoint_dir(arch)), EngineConfig(
-        model_overrides=OVERRIDES[arch], **config))
-
-
 @pytest.mark.parametrize("arch, canvas, aligned", [
     ("LLaDAModelLM", "full", False), ("DreamModel", "full", False),
     ("SDARForCausalLM", "block", True), ("LLaDA2MoeModelLM", "block", True)])
-def test_the_default_layout_is_the_models_reference(checkpoint_dir, arch, canvas, aligned):
-    engine = engine_for(checkpoint_dir, arch, max_batch=1)
+def test_the_default_layout_is_the_models_reference(checkpoint_engine, arch, canvas, aligned):
+    engine = checkpoint_engine(arch, max_batch=1)
     assert (engine.canvas, engine.aligned) == (canvas, aligned)
     assert not Engine.from_pretrained("tiny", EngineConfig(max_batch=1)).aligned  # trained on fresh pages
 
 
-def test_a_block_causal_model_refuses_the_full_canvas(checkpoint_dir):
+def test_a_block_causal_model_refuses_the_full_canvas(checkpoint_engine):
     with pytest.raises(ValueError, match="canvas 'full' needs a bidirectional model"):
-        engine_for(checkpoint_dir, "SDARForCausalLM", max_batch=1, canvas="full")
+        checkpoint_engine("SDARForCausalLM", max_batch=1, canvas="full")
 
 
 @pytest.mark.parametrize("kv_cache", ["none", "prefix"])
-def test_full_canvas_rows_do_not_depend_on_their_batch(checkpoint_dir, kv_cache):
+def test_full_canvas_rows_do_not_depend_on_their_batch(checkpoint_engine, kv_cache):
     """Four requests of different lengths in one batch answer as each does alone; every
     page of the canvas is taken at admission and all come back."""
     prompts = [[5 + (i * 7 + r) % 80 for i in range(9 + 13 * r)] for r in range(4)]
     params = [SamplingParams(max_tokens=(3 - r % 3) * 32, ignore_eos=True) for r in range(4)]
     alone = []
     for prompt, p in zip(prompts, params):
-        engine = engine_for(checkpoint_dir, "LLaDAModelLM", max_batch=1, kv_cache=kv_cache)
+        engine = checkpoint_engine("LLaDAModelLM", max_batch=1, kv_cache=kv_cache)
         alone.append(engine.generate([prompt], p)[0].new_token_ids)
-    engine = engine_for(checkpoint_dir, "LLaDAModelLM", max_batch=4, kv_cache=kv_cache)
+    engine = checkpoint_engine("LLaDAModelLM", max_batch=4, kv_cache=kv_cache)
     free = engine.pool.num_free
     streamed = []
     engine.add_request(prompts[0], params[0], on_output=streamed.append)
@@ -86,11 +80,11 @@ def spy_sequences(engine):
 
 
 @pytest.mark.parametrize("arch", ["SDARForCausalLM", "LLaDA2MoeModelLM"])
-def test_aligned_blocks_continue_the_prompts_last_block(checkpoint_dir, arch):
+def test_aligned_blocks_continue_the_prompts_last_block(checkpoint_engine, arch):
     """block_alignment 'prompt': the sequence is prompt + answer without a gap, cut into
     blocks from its start; every forward's logits equal a dense block-causal forward over
     it, and the answer is what follows the prompt."""
-    engine = engine_for(checkpoint_dir, arch, max_batch=1, block_alignment="prompt", max_tokens_per_step=64)
+    engine = checkpoint_engine(arch, max_batch=1, block_alignment="prompt", max_tokens_per_step=64)
     size = engine.block_length
     seen = spy_sequences(engine)
     output = engine.generate([PROMPT], SamplingParams(max_tokens=2 * size, ignore_eos=True))[0]
@@ -109,8 +103,8 @@ def test_aligned_blocks_continue_the_prompts_last_block(checkpoint_dir, arch):
     assert all(seen_token in (token, engine.spec.mask_token_id) for token, seen_token in zip(output.new_token_ids, final))
 
 
-def test_an_aligned_request_resumes_where_prompt_and_output_end_a_block(checkpoint_dir):
-    engine = engine_for(checkpoint_dir, "SDARForCausalLM", max_batch=1, block_alignment="prompt")
+def test_an_aligned_request_resumes_where_prompt_and_output_end_a_block(checkpoint_engine):
+    engine = checkpoint_engine("SDARForCausalLM", max_batch=1, block_alignment="prompt")
     size = engine.block_length
     whole = engine.generate([PROMPT], SamplingParams(max_tokens=4 * size, ignore_eos=True))[0].new_token_ids
     committed = whole[:size - len(PROMPT) % size + size]  # the first two answer blocks

@@ -5,9 +5,9 @@ aligned to the sequence's start, whose first answer block holds the prompt's end
 
 import pytest
 
-from replicas.engine import Engine, EngineConfig
+from replicas.engine import Engine
 from replicas.request import RequestError, SamplingParams
-from test_model_kv_cache import OVERRIDES, PROMPT
+from test_model_kv_cache import PROMPT
 
 ARCHS = ["tiny", "SDARForCausalLM", "LLaDA2MoeModelLM", "LLaDAModelLM", "DreamModel"]
 GREEDY = {"algorithm": "low_confidence"}
@@ -15,12 +15,9 @@ SEEDED = {"algorithm": "fixed_steps", "algorithm_params": {"temperature": 1.0, "
 
 
 @pytest.fixture
-def engine_for(checkpoint_dir, make_engine):
+def engine_for(checkpoint_engine, make_engine):
     def make(arch: str, **config) -> Engine:
-        if arch == "tiny":
-            return make_engine(**config)
-        return Engine.from_pretrained(str(checkpoint_dir(arch)), EngineConfig(
-            model_overrides=OVERRIDES[arch], **config))
+        return make_engine(**config) if arch == "tiny" else checkpoint_engine(arch, **config)
     return make
 
 
