@@ -13,9 +13,11 @@ SETTINGS = {
     "request_timeout_s": 1.5,
     "stats_period_s": 0.25,
 }
-# 12 blocks x 8 steps: a request alone takes a good part of the deadline; queued ones outlive it
-BODY = {"model": "tiny", "prompt": "1.2..3", "max_tokens": 192, "ignore_eos": True,
-        "algorithm": "fixed_steps", "algorithm_params": {"steps": 8}}
+# 28 blocks x 16 steps (448 forwards): 0.3 s or more for a request alone even on a fast
+# machine, so the eight together need several times the 1.5 s deadline and queued ones
+# outlive it (12 blocks x 8 steps finished all eight within it on a quiet machine)
+BODY = {"model": "tiny", "prompt": "1.2..3", "max_tokens": 448, "ignore_eos": True,
+        "algorithm": "fixed_steps", "algorithm_params": {"steps": 16}}
 
 
 async def _burst(base_url: str) -> tuple[list[httpx.Response], dict]:
