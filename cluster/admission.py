@@ -51,9 +51,10 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster.config import AdmissionSettings, SLOSettings
 from replicas.cost_model import DrainModel, mean_steps
@@ -66,6 +67,7 @@ LIVE_AFTER_S = 10.0  # replica stats older than this are ignored
 class Decision:
     admitted: bool
     retry_after_s: int = 0
+    charge: "Charge | None" = None  # an admission's charge, to release as the request progresses
 
 
 class AdmissionController:
@@ -80,8 +82,12 @@ class AdmissionController:
         self.outstanding = 0.0
         self.view: dict[str, dict] = {}
         self._prior = DrainModel(1 / settings.initial_row_steps_per_s, 0.0, 1, 1)
-        self._since_report: deque[tuple[float, float]] = deque()  # (time, cost) admitted after the reports
-        self._since_report_cost = 0.0
+        self._reported_at: float | None = None  # stats_time of the oldest live report
+        # charges admitted after the reports (weakly: a dropped charge closes itself)
+        self._since_report: weakref.WeakSet[Charge] = weakref.WeakSet()
+        # releases, after the reports, of charges the reports count: (time, amount)
+        self._released_since_report: deque[tuple[float, float]] = deque()
+        self._released_since_report_total = 0.0
         self.ingress_replicas = 1  # live ingress replicas, this one included (set by the ingress)
         self._measured_steps: float | None = None
         self._slo_s = self.slo.latency_for(())
@@ -90,12 +96,15 @@ class AdmissionController:
     def update_view(self, view: dict[str, dict]) -> None:
         """Latest routing stats per replica (from the metrics actor)."""
         self.view = {r: v for r, v in view.items() if v.get("age_s", 0) <= LIVE_AFTER_S}
-        reported_at = min((v["stats_time"] for v in self.view.values() if "stats_time" in v), default=None)
-        if reported_at is not None:
-            while self._since_report and self._since_report[0][0] <= reported_at:
-                self._since_report_cost -= self._since_report.popleft()[1]
-            if not self._since_report:
-                self._since_report_cost = 0.0  # no float drift
+        self._reported_at = min((v["stats_time"] for v in self.view.values() if "stats_time" in v), default=None)
+        if self._reported_at is not None:
+            for charge in [c for c in self._since_report if c.admitted_at <= self._reported_at]:
+                self._since_report.discard(charge)
+            released = self._released_since_report
+            while released and released[0][0] <= self._reported_at:
+                self._released_since_report_total -= released.popleft()[1]
+            if not released:  # no float drift
+                self._released_since_report_total = 0.0
         merged: Counter = Counter()
         for stats in self.view.values():
             merged.update({int(k): v for k, v in stats.get("steps_per_block", {}).items()})
@@ -123,14 +132,15 @@ class AdmissionController:
     # ---- the prediction ------------------------------------------------------------------
     def work_ahead(self) -> float:
         """Row-steps the cluster owes before a request admitted now (D in the docstring):
-        the replicas' reported debt plus what was admitted since, or, when that is less
-        (reports late, or none), this ingress's own outstanding charges, live, times the
-        ingress replicas."""
+        the replicas' reported debt, less what this ingress saw them do since, plus what
+        was admitted since; or, when that is less (reports late, or none), this ingress's
+        own outstanding charges, live, times the ingress replicas."""
         own = self.ingress_replicas * self.outstanding
         if not self.view:
             return own
-        reported = sum(v.get("step_debt", 0.0) for v in self.view.values())
-        return max(reported + self.ingress_replicas * self._since_report_cost, own)
+        reported = sum(v.get("step_debt", 0.0) for v in self.view.values()) - self._released_since_report_total
+        since = sum(charge.remaining for charge in self._since_report)
+        return max(max(reported, 0.0) + self.ingress_replicas * since, own)
 
     def _drain(self) -> tuple[float, float]:
         """(R, step seconds at the batch the queue will run at), see the module docstring."""
@@ -147,7 +157,7 @@ class AdmissionController:
         rate, step_s = self._drain()
         return (self.work_ahead() + cost) / rate + cost * step_s
 
-    def _decide(self, cost: float) -> Decision:
+    def _decide(self, cost: float, slo_s: float | None = None) -> Decision:
         ahead = self.work_ahead()
         if not self.settings.enabled or ahead <= 0:
             return Decision(True)
@@ -156,28 +166,38 @@ class AdmissionController:
             excess = ahead + cost - bound * (len(self.view) or self.min_replicas)
             excess_s = excess / self._drain()[0]
         else:
-            excess_s = self.predicted_s(cost) - self._slo_s
+            slo = self._slo_s if slo_s is None else min(slo_s, self._slo_s)
+            excess_s = self.predicted_s(cost) - slo
         return Decision(True) if excess_s <= 0 else Decision(False, max(1, math.ceil(excess_s)))
 
     # ---- decisions and charges -------------------------------------------------------------
-    def quick_refusal(self, blocks: int = 1) -> Decision | None:
+    def quick_refusal(self, blocks: int = 1, slo_s: float | None = None) -> Decision | None:
         """The refusal a request of ``blocks`` answer blocks would get now, else None."""
-        decision = self._decide(blocks * (self._measured_steps or 1.0))
+        decision = self._decide(blocks * (self._measured_steps or 1.0), slo_s)
         return None if decision.admitted else decision
 
-    def try_admit(self, cost: float) -> Decision:
-        decision = self._decide(cost)
-        if decision.admitted:
-            self.outstanding += cost
-            if self.view:  # without reports, ``outstanding`` is the work ahead
-                self._since_report.append((self.clock(), cost))
-                self._since_report_cost += cost
-        return decision
+    def try_admit(self, cost: float, slo_s: float | None = None) -> Decision:
+        """Admit a request of ``cost`` row-steps if it is predicted to finish within the SLO
+        (or ``slo_s``, where tighter); an admission carries its ``Charge``."""
+        decision = self._decide(cost, slo_s)
+        if not decision.admitted:
+            return decision
+        self.outstanding += cost
+        charge = Charge(self, cost)
+        if self.view:  # without reports, ``outstanding`` is the work ahead
+            self._since_report.add(charge)
+        return replace(decision, charge=charge)
 
-    def release(self, amount: float) -> None:
-        # charges are released in fractional pieces: snap float residue (costs are >= 1) to 0
+    def release(self, amount: float, charge: "Charge | None" = None) -> None:
+        """``amount`` row-steps of ``charge`` done: they stop counting at once, whether
+        the replicas' reports counted the charge already or not."""
         remaining = self.outstanding - amount
+        # charges are released in fractional pieces: snap float residue (costs are >= 1) to 0
         self.outstanding = remaining if remaining > 1e-6 else 0.0
+        counted = self._reported_at is not None and charge is not None and charge.admitted_at <= self._reported_at
+        if counted and charge not in self._since_report:
+            self._released_since_report.append((self.clock(), amount))
+            self._released_since_report_total += amount
 
 
 class Charge:
@@ -189,12 +209,17 @@ class Charge:
         self.controller = controller
         self.cost = cost
         self.released = 0.0
+        self.admitted_at = controller.clock()
+
+    @property
+    def remaining(self) -> float:
+        return self.cost - self.released
 
     def progress(self, steps: int) -> None:
         amount = min(self.cost, steps) - self.released
         if amount > 0:
-            self.controller.release(amount)
             self.released += amount
+            self.controller.release(amount, self)
 
     def close(self) -> None:
         self.progress(math.inf)

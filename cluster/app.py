@@ -6,7 +6,9 @@ import logging
 import math
 import os
 import socket
+import time
 
+import httpx
 import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
@@ -14,6 +16,7 @@ from ray.serve.exceptions import RayServeException
 from cluster.config import AppConfig, ConfigError
 from cluster.ingress import Ingress
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE, MetricsActor
+from cluster.request_path import LocalRequestPath
 from replicas.deployment import EngineReplica
 
 log = logging.getLogger(__name__)
@@ -171,12 +174,17 @@ def check_ports_free(config: AppConfig) -> None:
                 raise ConfigError(f"{name} {port} on {config.host} is not free: {exc.strerror}") from None
 
 
-def deploy(config: AppConfig, address: str | None = None) -> str:
-    """Start (or connect to) Ray, the metrics actor and the Serve app; returns the metrics URL."""
+def deploy(config: AppConfig, address: str | None = None, request_path: LocalRequestPath | None = None) -> str:
+    """Start (or connect to) Ray, the metrics actor and the Serve app; returns the metrics URL.
+    A local Ray starts with ``request_path``'s environment (the caller's, to stop with
+    ``shutdown``); a cluster at ``address`` keeps the request path it was started with."""
     config = size_for_this_node(config)
     if address:
         ray.init(address=address, namespace=ACTOR_NAMESPACE, log_to_driver=False)
     else:
+        if request_path is None:
+            raise ValueError("a local cluster needs its LocalRequestPath(config.request_path)")
+        request_path.apply()
         needed = (config.autoscaling.max_replicas * config.replica.num_cpus
                   + config.ingress.replicas * config.ingress.num_cpus)
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(needed)),
@@ -190,10 +198,55 @@ def deploy(config: AppConfig, address: str | None = None) -> str:
     return start_metrics_actor(config)
 
 
-def shutdown(config: AppConfig) -> None:
-    """Stop whatever ``deploy`` got to start (it may have failed half-way)."""
-    if not ray.is_initialized():
-        return
+ADMITTING_WAIT_S = 120.0  # how long `up` waits for the ingress to hold every replica's first report
+
+
+def wait_until_admitting(config: AppConfig, timeout_s: float = ADMITTING_WAIT_S) -> str:
+    """Wait until an ingress has the first report of ``autoscaling.min_replicas`` replicas
+    (each measured its step cost before it reported ready), so that admission decides the
+    first requests from measured figures; returns a line on the request path and the SLO."""
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    url = f"http://{host}:{config.port}/health"
+    deadline = time.monotonic() + timeout_s
+    health: dict = {}
+    with httpx.Client(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                health = client.get(url).json()
+            except (httpx.HTTPError, ValueError):
+                health = {}
+            if health.get("replicas_reporting", 0) >= config.autoscaling.min_replicas:
+                break
+            time.sleep(0.2)
+        else:
+            log.warning("no replica report reached the ingress within %.0f s: admission starts from its prior",
+                        timeout_s)
+    running = health.get("request_path", "unknown")
+    line = (f"request path: {running}; admission: {health.get('replicas_reporting', 0)} replica(s) reporting, "
+            f"SLO {health.get('slo_latency_s', float('nan')):.1f} s")
+    if running != config.request_path:
+        line += f" (request_path {config.request_path} was asked for: the Ray cluster runs {running})"
+    return line
+
+
+def shutdown(config: AppConfig, request_path: LocalRequestPath | None = None) -> None:
+    """Stop whatever ``deploy`` got to start (it may have failed half-way). A local cluster
+    (``request_path`` given) stops at once: Ray ends its processes, ``request_path`` its
+    HAProxy (a SIGTERM's drain has let the requests in flight finish before; Serve's own
+    graceful stop would hold each direct-ingress replica open for its load-balancer
+    deregistration period, 30 s). On a cluster at an address the app is deleted and Serve
+    and the metrics actor stopped."""
+    try:
+        if ray.is_initialized():
+            if request_path is None:
+                _delete_app(config)
+            ray.shutdown()
+    finally:
+        if request_path is not None:
+            request_path.stop()
+
+
+def _delete_app(config: AppConfig) -> None:
     try:
         serve.delete(config.name)
         serve.shutdown()
@@ -204,7 +257,6 @@ def shutdown(config: AppConfig) -> None:
             ray.kill(ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE))
         except ValueError:
             pass
-        ray.shutdown()
 
 
 def cluster_status(address: str = "auto") -> dict:

@@ -284,8 +284,9 @@ def drain(config, interrupted: threading.Event) -> str:
 
 
 def cmd_up(args) -> int:
-    from cluster.app import check_ports_free, deploy, shutdown
+    from cluster.app import check_ports_free, deploy, shutdown, wait_until_admitting
     from cluster.auth import load_keys
+    from cluster.request_path import LocalRequestPath
 
     from replicas.models import check_checkpoint
 
@@ -311,8 +312,12 @@ def cmd_up(args) -> int:
     print(f"starting dllm-serve: model {config.model_name}, {config.autoscaling.min_replicas}"
           f"-{config.autoscaling.max_replicas} replica(s), mode {config.replica.mode.value}, "
           f"{f'{len(keys)} API key(s) required' if keys else 'no API key required'}", flush=True)
+    path = None if args.address else LocalRequestPath(config.request_path)
+    if path is not None and path.note:
+        print(f"note: {path.note}", flush=True)
     try:
-        metrics_url = deploy(config, args.address)
+        metrics_url = deploy(config, args.address, path)
+        print(wait_until_admitting(config), flush=True)
         # after ray.init, which installs handlers of its own: SIGTERM drains, then stops;
         # SIGINT (even when started in the background, where it arrives ignored) stops at once
         signal.signal(signal.SIGTERM, on_sigterm)
@@ -332,7 +337,7 @@ def cmd_up(args) -> int:
         pass
     finally:
         print("stopping ...", flush=True)
-        shutdown(config)
+        shutdown(config, path)
     return 0
 
 

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.auth import API_KEYS_ENV
+from cluster.request_path import RequestPath
 from replicas.settings import EngineConfig
 
 
@@ -70,23 +71,23 @@ class AdmissionSettings(_Section):
 
 
 SLO_MULTIPLE = 2.0
-SLO_FALLBACK_S = 30.0
+SLO_FLOOR_S = 10.0  # a wait an interactive user still accepts; the default SLO is never tighter
 
 
 class SLOSettings(_Section):
     latency_s: float | None = Field(
         None, gt=0,
-        description=f"target end-to-end latency (admission, autoscaling); default derived: {SLO_MULTIPLE:g} x the "
-                    f"seconds the longest request (max_model_len) takes alone at full batch, from the replicas' "
-                    f"measured step cost and mean steps per block ({SLO_FALLBACK_S:g} s until measured)")
+        description=f"target end-to-end latency (admission, autoscaling); default: {SLO_FLOOR_S:g} s, or {SLO_MULTIPLE:g} "
+                    f"x the seconds the longest request (max_model_len) takes alone at full batch where that is "
+                    f"more (from the replicas' measured step cost and mean steps per block); a request may ask "
+                    f"for less with deadline_s")
     time_to_first_block_s: float = Field(5.0, gt=0, description="target time to the first streamed block")
 
     def latency_for(self, longest_request_s: Iterable[float]) -> float:
         """``latency_s``, or derived from the replicas' reported ``longest_request_s``."""
         if self.latency_s is not None:
             return self.latency_s
-        longest = max(longest_request_s, default=None)
-        return SLO_FALLBACK_S if longest is None else SLO_MULTIPLE * longest
+        return max([SLO_FLOOR_S, *(SLO_MULTIPLE * s for s in longest_request_s)])
 
 
 class AutoscalingSettings(_Section):
@@ -161,6 +162,10 @@ class AppConfig(_Section):
                           f"ingress replica); keys also come from the environment variable {API_KEYS_ENV} (entries "
                           f"separated by commas); with any key, requests need 'Authorization: Bearer KEY' "
                           f"(cluster.auth)")
+    request_path: RequestPath = Field(
+        "haproxy", description="the front end of the HTTP API: 'haproxy' (HAProxy forwards straight to the ingress "
+                               "replicas, Serve's throughput-optimized options on), 'throughput' (those options behind "
+                               "Serve's Python proxy) or 'proxy' (Serve as it ships); see cluster.request_path")
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none")
     request_timeout_s: float | None = Field(
         600.0, gt=0, description="a request still running this long after it arrived ends with a timeout error "

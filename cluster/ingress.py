@@ -9,8 +9,12 @@ cheapest checks first:
 2. admission's bound: 429 without reading the body when even a one-block request would
    be refused now (``AdmissionController.quick_refusal``);
 3. the body parsed and validated (400, 404), then the bound again for its output blocks;
-4. chat template and tokenization in a worker thread, off the event loop;
+4. chat template and tokenization (in a worker thread for long prompts, inline otherwise:
+   a short one costs less than the hop to a thread);
 5. the exact cost charged (``try_admit``), or 429.
+
+A streamed request reads the replica's stream, one chunk per committed block; a
+non-streamed one is one unary call (``EngineReplica.generate_unary``), answered once.
 
 Admission counts, the row-steps outstanding and this process's CPU time reach the
 metrics actor in one call per stats period, which also brings back the replicas' stats
@@ -47,6 +51,7 @@ from cluster.config import AppConfig
 from cluster.errors import APIError, bad_request, install_error_handlers, internal_error, validation_error
 from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
+from cluster.request_path import path_in_this_process
 from replicas.limits import max_request_cost
 from replicas.messages import GenerateChunk, GenerateRequest, request_problem
 from replicas.models import load_model_spec, load_tokenizer
@@ -60,6 +65,7 @@ app = FastAPI(title="dllm-serve", description="OpenAI-compatible API for masked 
 install_error_handlers(app)
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "threshold")
+INLINE_PREPARE_CHARS = 4096  # prompts (or chats) up to this many characters are tokenized on the event loop
 
 
 # Module-level helpers of the Ingress class go above it: `serve.ingress` copies the class
@@ -68,11 +74,18 @@ def _timeout(message: str) -> APIError:
     return APIError(504, message, type_="timeout_error", code="request_timeout")
 
 
+def _prompt_chars(body: protocol.SamplingFields) -> int:
+    if isinstance(body, protocol.ChatCompletionRequest):
+        return sum(len(str(m.content)) for m in body.messages)
+    return len(body.prompt)
+
+
 @serve.ingress(app)
 class Ingress:
     def __init__(self, replicas: DeploymentHandle, config: dict):
         self.config = AppConfig.model_validate(config)
         self.replicas = replicas.options(stream=True)
+        self.replicas_unary = replicas.options(stream=False)
         self.keys = KeyRing(load_keys(self.config.api_key_file))  # read here, never passed in the arguments
         self.tokenizer = load_tokenizer(self.config.model)
         self.spec = load_model_spec(self.config.model, self.config.replica.model_overrides)
@@ -87,20 +100,27 @@ class Ingress:
         self.admitted = 0
         self.failovers = 0
         self.rejected: Counter[str] = Counter()
-        self.failover = Failover(lambda job: self.replicas.generate.remote(job), self.config.failover.max_attempts,
-                                 self.config.failover.backoff_s, self.spec.block_length,
+        failover = (self.config.failover.max_attempts, self.config.failover.backoff_s, self.spec.block_length)
+        self.failover = Failover(lambda job: self.replicas.generate.remote(job), *failover,
                                  on_failover=self._count_failover)
+        self.failover_unary = Failover(self._unary, *failover, on_failover=self._count_failover)
         self._metrics = None
         self._sync_task: asyncio.Task | None = None
         self.draining = False  # set once by the metrics actor's answer (`dllm-serve up` stopping); never unset
         self.in_flight = 0  # routes running here, plus streams still sending after their route returned
+        self.request_path = path_in_this_process()
+        try:  # the replicas' reports from the start, not from the first request
+            self._ensure_sync_task()
+        except RuntimeError:  # no event loop in this thread: the first request starts it
+            pass
 
     # ---- routes -------------------------------------------------------------------------
     @app.get("/health")
     async def health(self):
         self._ensure_sync_task()
         return {"status": "ok", "draining": self.draining, "replicas_reporting": len(self.admission.view),
-                "slo_latency_s": self.admission.slo_latency_s}  # the SLO in force; `bench overload` reads it
+                "slo_latency_s": self.admission.slo_latency_s,  # the SLO in force; `bench overload` reads it
+                "request_path": self.request_path}
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self, authorization: str | None = Header(None)):
@@ -263,7 +283,7 @@ class Ingress:
             algorithm_params=algorithm_params,
             ignore_eos=body.ignore_eos,
             cost=self.admission.cost(head + max_tokens, block, worst, max_request_cost(self.max_model_len, block)),
-            timeout_s=self.config.request_timeout_s,
+            timeout_s=min((t for t in (self.config.request_timeout_s, body.deadline_s) if t is not None), default=None),
         )
 
     def _algorithm(self, body: protocol.SamplingFields) -> tuple[str, dict]:
@@ -296,26 +316,35 @@ class Ingress:
     async def _serve(self, body: protocol.SamplingFields, chat: bool, slot: KeySlot):
         # the bound for its output blocks, before the prompt is tokenized (checked there)
         blocks = math.ceil(min(max(self._max_tokens(body), 1), self.max_model_len) / self.spec.block_length)
-        self._refuse_if(self.admission.quick_refusal(blocks))
-        job = await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_thread, lambda: self._prepare(body, self._prompt(body)))
-        decision = self.admission.try_admit(job.cost)
+        self._refuse_if(self.admission.quick_refusal(blocks, body.deadline_s))
+        if _prompt_chars(body) <= INLINE_PREPARE_CHARS:
+            job = self._prepare(body, self._prompt(body))
+        else:
+            job = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_thread, lambda: self._prepare(body, self._prompt(body)))
+        decision = self.admission.try_admit(job.cost, body.deadline_s)
         self._refuse_if(decision)
         self.admitted += 1
-        stream = self._charged_stream(job, Charge(self.admission, job.cost), slot)
+        failover = self.failover if body.stream else self.failover_unary
+        stream = self._charged_stream(job, failover, decision.charge, slot)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(self._sse(stream, job.request_id, chat, include_usage),
                                      media_type="text/event-stream")
         return await self._collect(stream, job.request_id, chat)
 
-    async def _charged_stream(self, job: GenerateRequest, charge: Charge, slot: KeySlot) -> AsyncIterator[GenerateChunk]:
+    async def _unary(self, job: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """The whole answer of ``job`` from one unary replica call, as a one-chunk stream."""
+        yield await self.replicas_unary.generate_unary.remote(job)
+
+    async def _charged_stream(self, job: GenerateRequest, failover: Failover, charge: Charge,
+                              slot: KeySlot) -> AsyncIterator[GenerateChunk]:
         """The request's chunks from the replicas (resumed elsewhere if one fails),
         releasing the admission charge as steps are taken and the key's place at the end;
         raises APIError."""
         self.in_flight += 1
         try:
-            async for chunk in self.failover.stream(job):
+            async for chunk in failover.stream(job):
                 if chunk.error_kind == "invalid_request":
                     raise bad_request(chunk.error)
                 if chunk.error_kind == "timeout":

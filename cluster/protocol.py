@@ -61,6 +61,10 @@ class DllmExtensions(BaseModel):
     algorithm_params: dict[str, Any] | None = Field(None, description="any other algorithm parameter")
     block_length: int | None = Field(None, ge=1, le=MAX_INT, description="must equal the model's block length")
     mode: SchedulerMode | None = Field(None, description="must equal the replicas' mode")
+    deadline_s: float | None = Field(
+        None, gt=0, description="the latency this client accepts: refused at once (429) unless the cluster "
+                                "predicts the answer within it, and ended with 504 if it runs past it "
+                                "(default: the server's slo.latency_s and request_timeout_s)")
 
     @field_validator("algorithm_params")
     @classmethod

@@ -21,7 +21,7 @@ import torch
 from replicas.async_engine import AsyncEngine
 from replicas.engine import Engine
 from replicas.limits import max_request_cost, request_cost
-from replicas.messages import GenerateChunk, GenerateRequest
+from replicas.messages import GenerateChunk, GenerateRequest, joined
 from replicas.monitor import ReplicaMonitor
 from replicas.request import FinishReason, RequestError, RequestOutput, SamplingParams
 from replicas.settings import EngineConfig
@@ -124,6 +124,11 @@ class EngineReplica:
             yield GenerateChunk.refusal(str(exc))
         finally:
             self.monitor.request_finished(request_id, reason, time.monotonic() - start, first_block, tokens, blocks)
+
+    async def generate_unary(self, request: GenerateRequest) -> GenerateChunk:
+        """The whole answer of a tokenized request as one chunk (``messages.joined``), for
+        a caller that does not stream: one reply instead of a stream message per block."""
+        return joined([chunk async for chunk in self.generate(request)])
 
     # ---- Serve hooks -------------------------------------------------------------------
     async def record_routing_stats(self) -> dict:

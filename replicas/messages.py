@@ -7,7 +7,7 @@ with a stream of ``GenerateChunk``, one per committed block, the last one ``fini
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from replicas.limits import length_error, pages_needed
@@ -51,6 +51,16 @@ class GenerateChunk:
     @classmethod
     def refusal(cls, message: str) -> "GenerateChunk":
         return cls(finished=True, error=message, error_kind="invalid_request")
+
+
+def joined(chunks: Sequence[GenerateChunk]) -> GenerateChunk:
+    """A request's chunks as one (text and ids joined, the last chunk's counts and finish),
+    or its first error chunk as it is."""
+    for chunk in chunks:
+        if chunk.error:
+            return chunk
+    return replace(chunks[-1], text="".join(c.text for c in chunks),
+                   token_ids=[t for c in chunks for t in c.token_ids])
 
 
 @dataclass(frozen=True)

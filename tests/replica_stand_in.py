@@ -2,14 +2,25 @@
 
 import types
 
-from replicas.messages import GenerateChunk
+from replicas.messages import GenerateChunk, joined
+
+
+def handle_over(generate) -> types.SimpleNamespace:
+    """A replica handle whose streaming ``generate`` is ``generate(job)`` and whose unary
+    ``generate_unary`` joins its chunks, as ``EngineReplica.generate_unary`` does."""
+    async def unary(job):
+        return joined([chunk async for chunk in generate(job)])
+
+    return types.SimpleNamespace(generate=types.SimpleNamespace(remote=generate),
+                                 generate_unary=types.SimpleNamespace(remote=unary))
 
 
 class Replicas:
     """Stands in for the replica handle: every request finishes in one block."""
 
     def __init__(self):
-        self.generate = types.SimpleNamespace(remote=self._generate)
+        handle = handle_over(self._generate)
+        self.generate, self.generate_unary = handle.generate, handle.generate_unary
 
     async def _generate(self, job):
         yield GenerateChunk(text="x", token_ids=[5], finished=True, finish_reason="stop",

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from cluster.admission import AdmissionController, Charge
-from cluster.config import SLO_FALLBACK_S, SLO_MULTIPLE, AdmissionSettings
+from cluster.admission import AdmissionController
+from cluster.config import SLO_FLOOR_S, SLO_MULTIPLE, AdmissionSettings
 from replicas.cost_model import DrainModel
 
 # the tiny model on this machine, roughly: 7 ms per step plus 2 ms per row, 16 rows
@@ -20,6 +20,15 @@ def controller(slo_latency_s=10.0, min_replicas=2, clock=None, **settings):
     return AdmissionController(AdmissionSettings(**settings), slo_latency_s, min_replicas, **extra)
 
 
+_HELD = []  # admissions' charges, held as a streaming request holds its own (a dropped one releases itself)
+
+
+def admit(adm, cost):
+    decision = adm.try_admit(cost)
+    _HELD.append(decision)
+    return decision
+
+
 def replica(debt=0.0, live=0, measured_rows=MAX_BATCH, stats_time=100.0, age_s=0.1, **extra):
     """One replica's routing stats as the metrics actor hands them to the ingress."""
     model = DrainModel(C0, C1, MAX_BATCH, measured_rows)
@@ -29,15 +38,15 @@ def replica(debt=0.0, live=0, measured_rows=MAX_BATCH, stats_time=100.0, age_s=0
 
 def test_fixed_debt_bound_before_any_report():
     adm = controller(max_step_debt_per_replica=1000)  # 2 replicas expected, none reported: 2000
-    assert adm.try_admit(1500).admitted
-    assert adm.try_admit(500).admitted
+    first, second = admit(adm, 1500), admit(adm, 500)  # held: a dropped charge releases itself
+    assert first.admitted and second.admitted
     assert adm.work_ahead() == 2000
-    refused = adm.try_admit(100)
+    refused = admit(adm, 100)
     assert not refused.admitted
     # 100 row-steps over the bound at 2 x 500 row-steps/s (the prior) -> at least 1 s
     assert refused.retry_after_s == 1
-    adm.release(600)
-    assert adm.try_admit(100).admitted
+    first.charge.progress(600)
+    assert admit(adm, 100).admitted
 
 
 def test_light_load_admits_what_the_old_rule_refused():
@@ -55,7 +64,7 @@ def test_light_load_admits_what_the_old_rule_refused():
     rate = 13 / (C0 + C1 * 13)
     expected = (12 * mean_cost + cost) / rate + cost * (C0 + C1 * 13)
     assert adm.predicted_s(cost) == pytest.approx(expected) and expected < 5.0
-    assert adm.try_admit(cost).admitted
+    assert admit(adm, cost).admitted
 
 
 @pytest.mark.parametrize("debt", [0.0, 500.0, 1000.0, 1500.0, 1900.0, 2000.0, 2100.0, 3000.0, 10_000.0])
@@ -64,21 +73,21 @@ def test_admits_exactly_while_the_prediction_meets_the_slo(debt):
     adm.update_view({"a": replica(debt=debt, live=40)})
     predicted = (debt + 20) / FULL_RATE + 20 * (C0 + C1 * MAX_BATCH)
     assert adm.predicted_s(20) == pytest.approx(predicted)
-    assert adm.try_admit(20).admitted == (debt == 0 or predicted <= 5.0)
+    assert admit(adm, 20).admitted == (debt == 0 or predicted <= 5.0)
 
 
 def test_refusal_when_the_queue_ahead_exceeds_the_slo_and_retry_after_is_the_excess():
     adm = controller(slo_latency_s=5.0, min_replicas=1)
     adm.update_view({"a": replica(debt=5000, live=200)})
     predicted = 5020 / FULL_RATE + 20 * (C0 + C1 * MAX_BATCH)
-    refused = adm.try_admit(20)
+    refused = admit(adm, 20)
     assert not refused.admitted and refused.retry_after_s == math.ceil(predicted - 5.0)
     assert adm.quick_refusal() is not None  # even one block is refused, and nothing is charged
     assert adm.outstanding == 0
     # after Retry-After seconds at the full-batch rate, the same request is admitted
     drained = 5000 - FULL_RATE * refused.retry_after_s
     adm.update_view({"a": replica(debt=drained, live=200, stats_time=100.0 + refused.retry_after_s)})
-    assert adm.quick_refusal() is None and adm.try_admit(20).admitted
+    assert adm.quick_refusal() is None and admit(adm, 20).admitted
 
 
 def test_rate_is_never_extrapolated_past_the_largest_measured_batch():
@@ -105,11 +114,11 @@ def test_unmeasured_replica_drains_at_the_prior():
 
 def test_idle_cluster_admits_even_an_oversized_request():
     adm = controller(max_step_debt_per_replica=10)
-    assert adm.try_admit(10_000).admitted
-    assert not adm.try_admit(1).admitted
+    assert admit(adm, 10_000).admitted
+    assert not admit(adm, 1).admitted
     predicted = controller(slo_latency_s=1.0)
-    assert predicted.try_admit(10_000).admitted
-    assert not predicted.try_admit(1).admitted
+    assert admit(predicted, 10_000).admitted
+    assert not admit(predicted, 1).admitted
 
 
 def test_cost_uses_mean_or_quantile_of_measured_steps():
@@ -125,9 +134,11 @@ def test_cost_uses_mean_or_quantile_of_measured_steps():
 
 def test_derived_default_slo():
     adm = controller(slo_latency_s=None)
-    assert adm.slo_latency_s == SLO_FALLBACK_S  # no replica has measured yet
+    assert adm.slo_latency_s == SLO_FLOOR_S  # no replica has measured yet: known before any report
     adm.update_view({"a": replica(longest_request_s=2.5), "b": replica(longest_request_s=3.0), "c": replica()})
-    assert adm.slo_latency_s == SLO_MULTIPLE * 3.0
+    assert adm.slo_latency_s == SLO_FLOOR_S  # twice the longest request is less than a user accepts
+    adm.update_view({"a": replica(longest_request_s=2.5), "b": replica(longest_request_s=7.0), "c": replica()})
+    assert adm.slo_latency_s == SLO_MULTIPLE * 7.0
     explicit = controller(slo_latency_s=5.0)
     explicit.update_view({"a": replica(longest_request_s=30.0)})
     assert explicit.slo_latency_s == 5.0
@@ -138,7 +149,7 @@ def test_own_admissions_count_until_a_report_includes_them():
     adm = controller(slo_latency_s=5.0, min_replicas=1, clock=lambda: now[0])
     adm.update_view({"a": replica(debt=100, live=5, stats_time=100.0)})
     now[0] = 100.2
-    assert adm.try_admit(20).admitted
+    assert admit(adm, 20).admitted
     assert adm.work_ahead() == 120  # reported + admitted since the report
     adm.update_view({"a": replica(debt=120, live=6, stats_time=100.5)})
     assert adm.work_ahead() == 120  # the report counts it now: not twice
@@ -159,7 +170,7 @@ def test_two_ingresses_fill_the_headroom_once_between_two_reports():
 
     def fill(adm) -> int:
         admitted = 0
-        while adm.try_admit(20).admitted:
+        while admit(adm, 20).admitted:
             admitted += 1
             now[0] += 0.001
         return admitted
@@ -176,21 +187,20 @@ def test_two_ingresses_fill_the_headroom_once_between_two_reports():
     for adm in ingresses:
         adm.update_view(view)
         assert adm.work_ahead() == view["a"]["step_debt"]
-        assert not adm.try_admit(20).admitted
+        assert not admit(adm, 20).admitted
 
 
 def test_disabled_admission_admits_everything():
     adm = controller(enabled=False, max_step_debt_per_replica=1)
-    assert all(adm.try_admit(100).admitted for _ in range(10))
+    assert all(admit(adm, 100).admitted for _ in range(10))
     adm = controller(enabled=False, slo_latency_s=0.001)
     adm.update_view({"a": replica(debt=1e6)})
-    assert all(adm.try_admit(100).admitted for _ in range(10)) and adm.quick_refusal() is None
+    assert all(admit(adm, 100).admitted for _ in range(10)) and adm.quick_refusal() is None
 
 
 def test_charge_releases_progressively_and_once():
     adm = controller(max_step_debt_per_replica=1000)
-    adm.try_admit(100)
-    charge = Charge(adm, 100)
+    charge = admit(adm, 100).charge
     charge.progress(30)
     assert adm.outstanding == 70
     charge.progress(250)  # never more than the cost
@@ -201,8 +211,31 @@ def test_charge_releases_progressively_and_once():
 
 def test_unstreamed_charge_is_released_when_dropped():
     adm = controller(max_step_debt_per_replica=1000)
-    adm.try_admit(100)
-    charge = Charge(adm, 100)
+    charge = adm.try_admit(100).charge
     del charge
     gc.collect()
     assert adm.outstanding == 0
+    adm.update_view({"a": replica(debt=0, stats_time=0.0)})
+    adm.try_admit(100)  # admitted after the report, then dropped: it stops counting too
+    gc.collect()
+    assert adm.work_ahead() == 0
+
+
+def test_finished_work_stops_counting_at_once():
+    """One client sending requests back to back: each finishes before the next report,
+    and neither its admission nor the debt the last report counted for it holds up the next."""
+    now = [100.0]
+    adm = controller(slo_latency_s=5.0, min_replicas=1, clock=lambda: now[0])
+    first = adm.try_admit(40).charge
+    now[0] = 100.1
+    adm.update_view({"a": replica(debt=40, live=1, stats_time=100.1)})  # the report counts the first request
+    first.progress(30)
+    assert adm.work_ahead() == 10  # 30 of its steps done since the report
+    now[0] = 100.2
+    second = adm.try_admit(40).charge  # admitted after the report
+    assert adm.work_ahead() == 50
+    first.close()
+    second.close()
+    assert adm.work_ahead() == 0  # both finished before the next report
+    adm.update_view({"a": replica(debt=0, live=0, stats_time=100.3)})
+    assert adm.work_ahead() == 0

@@ -5,7 +5,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingContext
 
 from cluster.autoscaling import StepDebtPolicy, desired_replicas
-from cluster.config import SLO_FALLBACK_S, SLO_MULTIPLE
+from cluster.config import SLO_FLOOR_S, SLO_MULTIPLE
 
 
 def context(debts, rates, current=1, min_replicas=1, max_replicas=4):
@@ -61,9 +61,9 @@ def test_drains_at_the_full_batch_rate_where_replicas_report_it():
 
 def test_target_derived_from_the_slo_the_replicas_measure():
     ctx = context([4000, 4000], [500, 500], current=2, max_replicas=8)
-    ctx.aggregated_metrics["longest_request_s"] = {r: 4.0 for r in ctx.aggregated_metrics["step_debt"]}
+    ctx.aggregated_metrics["longest_request_s"] = {r: 8.0 for r in ctx.aggregated_metrics["step_debt"]}
     desired, state = StepDebtPolicy(target_drain_s=None)(ctx)
-    assert state["target_drain_s"] == SLO_MULTIPLE * 4.0 / 2 == 4.0
-    assert desired == 4  # 8000 / (500 * 4 s)
+    assert state["target_drain_s"] == SLO_MULTIPLE * 8.0 / 2 == 8.0
+    assert desired == 2  # 8000 / (500 * 8 s)
     _, state = StepDebtPolicy(target_drain_s=None)(context([0], [500]))
-    assert state["target_drain_s"] == SLO_FALLBACK_S / 2  # nothing measured yet
+    assert state["target_drain_s"] == SLO_FLOOR_S / 2  # nothing measured yet

@@ -100,7 +100,8 @@ async def answer(plain, ingress, body: dict | bytes, **kwargs):
 
 def over_capacity(ingress) -> None:
     """Fill the admission controller far beyond its fixed bound."""
-    assert ingress.admission.try_admit(10 ** 9).admitted  # an idle cluster admits anything once
+    ingress.held = ingress.admission.try_admit(10 ** 9)  # held, as a request in flight holds its charge
+    assert ingress.held.admitted  # an idle cluster admits anything once
 
 
 def test_over_capacity_refuses_before_reading_parsing_or_tokenizing():
@@ -146,7 +147,8 @@ def test_bad_json_is_a_400_after_the_cheap_checks():
 def test_the_output_bound_refuses_before_tokenizing():
     """A request whose own output blocks cannot fit is refused before its prompt is tokenized."""
     plain, ingress = make_ingress(**{"admission.max_step_debt_per_replica": 100})
-    assert ingress.admission.try_admit(80).admitted  # room for a one-block request, not for 32 blocks
+    held = ingress.admission.try_admit(80)  # held, as a request in flight holds its charge
+    assert held.admitted  # room for a one-block request, not for 32 blocks
     response = asyncio.run(answer(plain, ingress, completion(max_tokens=512)))
     assert response.status_code == 429 and ingress.tokenizer.calls == 0
 

