@@ -60,6 +60,8 @@ METRICS = (
     MetricSpec("dllm_compute_ratio", Gauge, "Model forward time / engine step time over the last report window"),
     MetricSpec("dllm_steps_total", Counter, "Denoise steps (forwards) run"),
     MetricSpec("dllm_forward_seconds_total", Counter, "Seconds spent in model forwards"),
+    MetricSpec("dllm_forward_cpu_seconds_total", Counter, "CPU seconds of the engine thread in model forwards"),
+    MetricSpec("dllm_replica_cpu_seconds_total", Counter, "CPU seconds used by an engine replica's process (forwards included)"),
     MetricSpec("dllm_step_seconds_total", Counter, "Seconds spent in engine steps"),
     MetricSpec("dllm_batch_size", Histogram, "Rows per step", buckets=_BATCH_BUCKETS),
     MetricSpec("dllm_tokens_forwarded_total", Counter, "New tokens fed to forwards (prompt chunks and blocks)"),
@@ -118,6 +120,7 @@ class MetricsExporter:
         for name, key in _GAUGE_SOURCES.items():
             m[name].labels(replica).set(report["gauges"][key])
         for name, key in (("dllm_steps_total", "steps"), ("dllm_forward_seconds_total", "forward_s"),
+                          ("dllm_forward_cpu_seconds_total", "forward_cpu_s"), ("dllm_replica_cpu_seconds_total", "cpu_s"),
                           ("dllm_step_seconds_total", "step_s"), ("dllm_tokens_forwarded_total", "tokens"),
                           ("dllm_output_tokens_total", "output_tokens"), ("dllm_blocks_committed_total", "blocks")):
             m[name].labels(replica).inc(report[key])

@@ -108,6 +108,16 @@ class OnlineCostModel:
             self._steps.append((rows, seconds))
             self.steps_per_block.update(block_steps)
 
+    def forget(self, steps: bool = True) -> None:
+        """Drop the counts (a warm-up's requests say nothing of real ones), and the step
+        records too unless ``steps`` is False."""
+        with self._lock:
+            self._arrivals.clear()
+            self.steps_per_block.clear()
+            self.blocks_per_request.clear()
+            if steps:
+                self._steps.clear()
+
     def observe_finished(self, blocks: int) -> None:
         with self._lock:
             self.blocks_per_request[blocks] += 1

@@ -39,6 +39,7 @@ class EngineReplica:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         engine = Engine.from_pretrained(model, config)
+        engine.warm_up()  # the first report carries a measured step cost: admission is right from the start
         self.engine = engine
         self.monitor = ReplicaMonitor(initial_row_steps_per_s, cost_model=engine.cost_model,
                                       longest_blocks=max(1, engine.max_pages_per_request - 1))  # one prompt page

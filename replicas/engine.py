@@ -205,8 +205,10 @@ class Engine:
         if self._faults_to_inject:
             self._faults_to_inject -= self._faults_to_inject > 0
             raise InjectedFault("a fault injected by inject_faults")
+        forward_cpu = time.thread_time()
         try:
             logits, forward_s = self.runner.forward(batch)
+            forward_cpu = time.thread_time() - forward_cpu
         except Exception as exc:  # a broken forward fails its rows, never the engine
             log.exception("forward failed; failing %d requests", batch.num_rows)
             for request in self.scheduler.scheduled:
@@ -224,6 +226,7 @@ class Engine:
             blocks_committed=len(committed),
             block_steps=tuple(committed),
             prefix_units=batch.prefix_units,
+            forward_cpu_s=forward_cpu,
         )
         self.totals.record(stats)
         self.cost_model.observe_step(stats.batch_size, stats.step_s, stats.block_steps)
@@ -346,6 +349,20 @@ class Engine:
             request.finish_reason = reason
             request.finish_time = self.clock()
             request.emit(OutputProcessor.snapshot(request, [], "", error, replica_fault))
+
+    def warm_up(self) -> None:
+        """Measure the step cost before serving: closed batches of one-block requests of 1,
+        half and all ``max_batch`` rows (after one that pays the first forward's set-up), so
+        that the first stats report carries a step-cost fit over the batches admission will
+        see. Only the step records stay: the requests' counts and totals are forgotten."""
+        params = SamplingParams(max_tokens=self.block_length, ignore_eos=True)
+        prompt = [self.spec.eos_token_id]
+        self.generate([prompt], params)
+        self.cost_model.forget()
+        for rows in sorted({1, max(1, self.config.max_batch // 2), self.config.max_batch}):
+            self.generate([prompt] * rows, params)
+        self.cost_model.forget(steps=False)
+        self.totals = EngineTotals()
 
     # ---- offline convenience ---------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],

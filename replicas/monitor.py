@@ -46,11 +46,14 @@ class ReplicaMonitor:
         self._debt: dict[str, tuple[float, int]] = {}  # request id -> (cost, steps taken)
         self._gauges = {"waiting": 0, "running": 0, "free_pages": 0, "total_pages": 0}
         self._calibration = CalibrationLog()  # records not yet reported
+        self._forward_cpu_total_s = 0.0  # since start, for ``routing_stats``
+        self._reported_cpu_s = 0.0  # this process's CPU time at the last report (the first counts the start-up)
         self._reset_report()
 
     def _reset_report(self) -> None:
         self._steps = 0
         self._forward_s = 0.0
+        self._forward_cpu_s = 0.0
         self._step_s = 0.0
         self._tokens = 0
         self._blocks = 0
@@ -72,6 +75,8 @@ class ReplicaMonitor:
             self._window.append((stats.active_rows, stats.step_s))
             self._steps += 1
             self._forward_s += stats.forward_s
+            self._forward_cpu_s += stats.forward_cpu_s
+            self._forward_cpu_total_s += stats.forward_cpu_s
             self._step_s += stats.step_s
             self._tokens += stats.num_tokens
             self._blocks += stats.blocks_committed
@@ -136,6 +141,7 @@ class ReplicaMonitor:
                 "row_steps_per_s": self._row_steps_per_s(),
                 "predicted_drain_s": debt / drain["drain_row_steps_per_s"],
                 "live_requests": len(self._debt),
+                "forward_cpu_s": self._forward_cpu_total_s,
                 "steps_per_block": steps_per_block,
                 "stats_time": time.time(),
                 **drain,
@@ -152,13 +158,17 @@ class ReplicaMonitor:
         """Everything since the last report, plus current gauges and routing stats."""
         snapshot = self.routing_stats()
         with self._lock:
+            cpu_s = time.process_time()
             out = {
-                "steps": self._steps, "forward_s": self._forward_s, "step_s": self._step_s,
+                "cpu_s": cpu_s - self._reported_cpu_s,  # this process's CPU since the last report
+                "steps": self._steps, "forward_s": self._forward_s, "forward_cpu_s": self._forward_cpu_s,
+                "step_s": self._step_s,
                 "tokens": self._tokens, "blocks": self._blocks, "output_tokens": self._output_tokens,
                 "overheads_s": self._overheads, "batch_sizes": self._batch_sizes,
                 "block_steps": self._block_steps, "latencies_s": self._latencies,
                 "time_to_first_block_s": self._ttfb, "finished": dict(self._finished),
                 "gauges": snapshot, "calibration": self._calibration.take_new(),
             }
+            self._reported_cpu_s = cpu_s
             self._reset_report()
         return out

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from cluster.auth import API_KEYS_ENV
 from cluster.config import load_config
 from cluster.errors import APIError
+from cluster.ingress import INLINE_PREPARE_CHARS
 from replica_stand_in import Replicas
 
 PROMPT = "1.3. ..2. 4... .1.4 "
@@ -22,15 +23,15 @@ class CountingTokenizer:
     """The real tokenizer, counting calls and the threads they come from."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.calls, self.threads = tokenizer, 0, set()
+        self.tokenizer, self.calls, self.threads = tokenizer, 0, []
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        self.threads.add(threading.get_ident())
+        self.threads.append(threading.get_ident())
         return self.tokenizer(*args, **kwargs)
 
     def apply_chat_template(self, *args, **kwargs):
-        self.threads.add(threading.get_ident())
+        self.threads.append(threading.get_ident())
         return self.tokenizer.apply_chat_template(*args, **kwargs)
 
 
@@ -153,20 +154,26 @@ def test_the_output_bound_refuses_before_tokenizing():
     assert response.status_code == 429 and ingress.tokenizer.calls == 0
 
 
-def test_tokenization_and_chat_templates_run_off_the_event_loop():
+def test_long_prompts_are_tokenized_off_the_event_loop_short_ones_on_it():
+    """A short prompt costs less to tokenize than the hop to a thread; a long one would hold
+    the event loop (and every refusal behind it)."""
     plain, ingress = make_ingress()
+    long_prompt = PROMPT * (INLINE_PREPARE_CHARS // len(PROMPT) + 1)  # over the tiny model's context
 
-    async def both():
+    async def run():
         loop_thread = threading.get_ident()
-        ok = await answer(plain, ingress, completion())
-        chat = await answer(plain, ingress, {"model": "tiny", "max_tokens": 16,
-                                             "messages": [{"role": "user", "content": PROMPT}]},
-                            path="/v1/chat/completions")
-        return loop_thread, ok, chat
+        answers = []
+        for prompt in (PROMPT, long_prompt):
+            answers.append(await answer(plain, ingress, {"model": "tiny", "prompt": prompt, "max_tokens": 16}))
+            answers.append(await answer(plain, ingress, {"model": "tiny", "max_tokens": 16,
+                                                         "messages": [{"role": "user", "content": prompt}]},
+                                        path="/v1/chat/completions"))
+        return loop_thread, answers
 
-    loop_thread, ok, chat = asyncio.run(both())
-    assert ok.status_code == 200 and chat.status_code == 200, (ok.body, chat.body)
-    assert ingress.tokenizer.calls == 2 and loop_thread not in ingress.tokenizer.threads
+    loop_thread, answers = asyncio.run(run())
+    assert [a.status_code for a in answers] == [200, 200, 400, 400], [a.body for a in answers]
+    threads = ingress.tokenizer.threads  # completion: tokenizer; chat: template, then tokenizer
+    assert ingress.tokenizer.calls == 4 and threads[:3] == [loop_thread] * 3 and loop_thread not in threads[3:]
     assert ingress.admitted == 2 and ingress.admission.outstanding == 0
 
 
