@@ -120,7 +120,10 @@ class Ingress:
         self._ensure_sync_task()
         return {"status": "ok", "draining": self.draining, "replicas_reporting": len(self.admission.view),
                 "slo_latency_s": self.admission.slo_latency_s,  # the SLO in force; `bench overload` reads it
-                "request_path": self.request_path}
+                "request_path": self.request_path,
+                # the replicas' forward CPU seconds so far, as last reported: `bench overload` takes it
+                # from their process CPU to show the engine's serving cost apart from its forwards
+                "forward_cpu_s": sum(v.get("forward_cpu_s", 0.0) for v in self.admission.view.values())}
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self, authorization: str | None = Header(None)):

