@@ -34,8 +34,9 @@ def test_committed_gpu_example_reads_the_keys_from_a_secret():
     service = rayservice_of(text)
     assert "--api-key-secret dllm-api-keys" in text.splitlines()[0]
     for container in ray_containers(service):
-        assert container["env"] == [{"name": API_KEYS_ENV, "valueFrom": {
-            "secretKeyRef": {"name": "dllm-api-keys", "key": "api-key"}}}]
+        assert container["env"][0] == {"name": API_KEYS_ENV, "valueFrom": {
+            "secretKeyRef": {"name": "dllm-api-keys", "key": "api-key"}}}
+        assert all(e["name"].startswith("RAY_SERVE_") for e in container["env"][1:])  # the request path's
 
 
 @pytest.mark.parametrize("name", MANIFESTS)
@@ -47,11 +48,12 @@ def test_serve_config_holds_no_key_and_pod_templates_are_valid_pods(name):
         assert model_errors(template, kubernetes.client.V1PodTemplateSpec) == []
 
 
-def test_secret_name_and_key_are_the_options_and_only_a_secret_brings_env():
+def test_secret_name_and_key_are_the_options_and_only_a_secret_brings_a_key():
     custom = rayservice_of(fresh("cpu", RenderOptions(api_key_secret="serving.keys", api_key_secret_key="dllm_keys")))
     for container in ray_containers(custom):
         assert container["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "serving.keys", "key": "dllm_keys"}
-    assert all("env" not in c for c in ray_containers(rayservice_of(MANIFESTS["committed cpu"]())))
+    for container in ray_containers(rayservice_of(MANIFESTS["committed cpu"]())):
+        assert all("valueFrom" not in e and e["name"] != API_KEYS_ENV for e in container["env"])
 
 
 def test_a_key_in_the_config_is_refused_and_never_printed(capsys):

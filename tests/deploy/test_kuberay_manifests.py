@@ -126,3 +126,17 @@ def test_render_refuses_bad_input(args, message, capsys):
 @pytest.mark.skipif(not SHARED_CRDS.is_dir(), reason="no ../shared/kuberay-crds next to this checkout")
 def test_vendored_crd_is_the_shared_one():
     assert crd_text("RayService") == (SHARED_CRDS / "ray.io_rayservices.yaml").read_text()
+
+
+@pytest.mark.parametrize("path, haproxy, throughput", [(None, "1", "1"), ("throughput", "0", "1"),
+                                                        ("proxy", "0", "0")])
+def test_every_ray_container_runs_the_configured_request_path(path, haproxy, throughput):
+    """Serve reads its request-path options when its processes start: each Ray container
+    carries them, so the pods run the front end the config names (HAProxy by default)."""
+    overrides = {} if path is None else {"request_path": path}
+    spec = rayservice_of(fresh("cpu", **overrides))["spec"]["rayClusterConfig"]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for group in groups:
+        (container,) = group["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert (env["RAY_SERVE_ENABLE_HA_PROXY"], env["RAY_SERVE_THROUGHPUT_OPTIMIZED"]) == (haproxy, throughput)
