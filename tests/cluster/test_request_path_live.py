@@ -51,6 +51,8 @@ def haproxy_of(port: int) -> tuple[int, str] | None:
 
 
 def test_fresh_cluster_serves_back_to_back_and_concurrent_clients_then_restarts_on_its_ports(tmp_path):
+    (tmp_path / "first").mkdir()
+    (tmp_path / "again").mkdir()
     cluster = start_cluster(tmp_path / "first", SETTINGS)
     port = int(cluster.base_url.rsplit(":", 1)[1])
     prompts = tiny_prompts(100, seed=3)
