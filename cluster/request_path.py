@@ -14,7 +14,7 @@ environment (`dllm-serve render k8s`):
 
 HAProxy is a subprocess of Serve's ``HAProxyManager`` actor; when Ray kills that actor it
 may outlive it, holding its ports. Each `up` gives it a run directory of its own (its
-config, socket and state files), so ``stop_haproxy`` finds exactly the HAProxy processes
+config, socket and state files), so ``LocalRequestPath.stop`` finds exactly the HAProxy processes
 of that run by their command line and ends them by pid.
 """
 
@@ -33,7 +33,6 @@ from typing import Literal
 log = logging.getLogger(__name__)
 
 RequestPath = Literal["haproxy", "throughput", "proxy"]
-REQUEST_PATHS: tuple[RequestPath, ...] = ("haproxy", "throughput", "proxy")
 
 THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"

@@ -229,42 +229,39 @@ def cpu_per_outcome(phases: list[dict]) -> dict[str, dict[str, float]] | None:
 
 
 # ---- the run ----------------------------------------------------------------------------------
-async def server_slo(http: httpx.AsyncClient) -> float | None:
-    """The latency SLO the server says it admits for (``slo_latency_s`` of GET /health), if any."""
+async def server_figure(http: httpx.AsyncClient, key: str) -> float | None:
+    """A figure the server says in GET /health (``slo_latency_s``, ``forward_cpu_s``), if any."""
     try:
-        value = (await http.get(HEALTH_PATH, timeout=10)).json().get("slo_latency_s")
+        value = (await http.get(HEALTH_PATH, timeout=10)).json().get(key)
     except (httpx.HTTPError, ValueError, AttributeError):
         return None
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+    return float(value) if isinstance(value, (int, float)) and value >= 0 else None
 
 
-async def server_forward_cpu(http: httpx.AsyncClient) -> float:
-    """The replicas' forward CPU seconds so far (``forward_cpu_s`` of GET /health; 0 if not said)."""
-    try:
-        value = (await http.get(HEALTH_PATH, timeout=10)).json().get("forward_cpu_s")
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return 0.0
-    return float(value) if isinstance(value, (int, float)) else 0.0
+async def server_slo(http: httpx.AsyncClient) -> float | None:
+    """The latency SLO the server says it admits for, if any."""
+    value = await server_figure(http, "slo_latency_s")
+    return value if value else None
+
+
+REPORT_SETTLE_S = 1.5  # replicas report their forward CPU once per stats period: wait for the last report
 
 
 async def _measured(label: str, offered_rate: float | None, run: Awaitable[list[Record]], slo_latency_s: float,
                     raylet: int | None, http: httpx.AsyncClient) -> dict:
-    """Run one phase; CPU is measured when ``raylet`` is known and has such processes."""
+    """Run one phase; CPU is measured when ``raylet`` is known and has such processes: the
+    processes' and the reported forward CPU once the phase's last reports are in."""
     before = {} if raylet is None else cluster_cpu(raylet)
-    forward, client_cpu = await server_forward_cpu(http), time.process_time()
+    forward, client_cpu = await server_figure(http, "forward_cpu_s"), time.process_time()
     records = await run
     cpu_s = None
     if before:
-        cpu_s = {**cpu_delta(before, cluster_cpu(raylet)), CLIENT: time.process_time() - client_cpu,
-                 ENGINE_FORWARD: await _forward_cpu_after(http, forward)}
+        client_cpu = time.process_time() - client_cpu
+        await asyncio.sleep(REPORT_SETTLE_S)
+        forward_after = await server_figure(http, "forward_cpu_s")
+        cpu_s = {**cpu_delta(before, cluster_cpu(raylet)), CLIENT: client_cpu,
+                 ENGINE_FORWARD: max(0.0, (forward_after or 0.0) - (forward or 0.0))}
     return phase_report(label, records, offered_rate, slo_latency_s, cpu_s)
-
-
-async def _forward_cpu_after(http: httpx.AsyncClient, before: float, settle_s: float = 1.5) -> float:
-    """The forward CPU a phase took: the replicas report it once per stats period, so the
-    figure is read again after ``settle_s`` (the last steps' reports arrive meanwhile)."""
-    await asyncio.sleep(settle_s)
-    return max(0.0, await server_forward_cpu(http) - before)
 
 
 async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: bool = False) -> dict:

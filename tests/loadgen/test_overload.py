@@ -245,7 +245,7 @@ def test_a_local_cluster_is_measured(monkeypatch):
     snapshots = iter([{10: ("ingress", 1.0), 13: ("proxy", 2.0)}, {10: ("ingress", 1.5), 13: ("proxy", 2.25)}])
     monkeypatch.setattr(overload, "serving_raylet", lambda port: RAYLET if port == PORT else None)
     monkeypatch.setattr(overload, "cluster_cpu", lambda raylet: next(snapshots))
-    monkeypatch.setattr(overload, "_forward_cpu_after", lambda http, before: asyncio.sleep(0, 0.0))
+    monkeypatch.setattr(overload, "REPORT_SETTLE_S", 0.0)
     plan = overload.OverloadPlan(clients=1, capacity_s=0.2, loads=(), prompt="1")
     result = run_mock(monkeypatch, mock_server(), plan, url=f"http://127.0.0.1:{PORT}")
     (closed,) = result["phases"]
