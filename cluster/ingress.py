@@ -84,8 +84,12 @@ def _prompt_chars(body: protocol.SamplingFields) -> int:
 class Ingress:
     def __init__(self, replicas: DeploymentHandle, config: dict):
         self.config = AppConfig.model_validate(config)
-        self.replicas = replicas.options(stream=True)
-        self.replicas_unary = replicas.options(stream=False)
+        self.request_path = path_in_this_process()
+        # Serve's gRPC between deployments where the throughput options are on (their
+        # default; a handle built in the driver process would carry the proxy path's)
+        by_reference = self.request_path == "proxy"
+        self.replicas = replicas.options(stream=True, _by_reference=by_reference)
+        self.replicas_unary = replicas.options(stream=False, _by_reference=by_reference)
         self.keys = KeyRing(load_keys(self.config.api_key_file))  # read here, never passed in the arguments
         self.tokenizer = load_tokenizer(self.config.model)
         self.spec = load_model_spec(self.config.model, self.config.replica.model_overrides)
@@ -108,7 +112,6 @@ class Ingress:
         self._sync_task: asyncio.Task | None = None
         self.draining = False  # set once by the metrics actor's answer (`dllm-serve up` stopping); never unset
         self.in_flight = 0  # routes running here, plus streams still sending after their route returned
-        self.request_path = path_in_this_process()
         try:  # the replicas' reports from the start, not from the first request
             self._ensure_sync_task()
         except RuntimeError:  # no event loop in this thread: the first request starts it
