@@ -124,9 +124,10 @@ class Ingress:
         return {"status": "ok", "draining": self.draining, "replicas_reporting": len(self.admission.view),
                 "slo_latency_s": self.admission.slo_latency_s,  # the SLO in force; `bench overload` reads it
                 "request_path": self.request_path,
-                # the replicas' forward CPU seconds so far, as last reported: `bench overload` takes it
-                # from their process CPU to show the engine's serving cost apart from its forwards
-                "forward_cpu_s": sum(v.get("forward_cpu_s", 0.0) for v in self.admission.view.values())}
+                # the replicas' CPU seconds in forwards and in engine steps so far, as last reported:
+                # `bench overload` shows their process CPU apart from them
+                **{key: sum(v.get(key, 0.0) for v in self.admission.view.values())
+                   for key in ("forward_cpu_s", "step_cpu_s")}}
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self, authorization: str | None = Header(None)):

@@ -61,6 +61,7 @@ METRICS = (
     MetricSpec("dllm_steps_total", Counter, "Denoise steps (forwards) run"),
     MetricSpec("dllm_forward_seconds_total", Counter, "Seconds spent in model forwards"),
     MetricSpec("dllm_forward_cpu_seconds_total", Counter, "CPU seconds of the engine thread in model forwards"),
+    MetricSpec("dllm_step_cpu_seconds_total", Counter, "CPU seconds of the engine thread in engine steps (forwards included)"),
     MetricSpec("dllm_replica_cpu_seconds_total", Counter, "CPU seconds used by an engine replica's process (forwards included)"),
     MetricSpec("dllm_step_seconds_total", Counter, "Seconds spent in engine steps"),
     MetricSpec("dllm_batch_size", Histogram, "Rows per step", buckets=_BATCH_BUCKETS),
@@ -121,6 +122,7 @@ class MetricsExporter:
             m[name].labels(replica).set(report["gauges"][key])
         for name, key in (("dllm_steps_total", "steps"), ("dllm_forward_seconds_total", "forward_s"),
                           ("dllm_forward_cpu_seconds_total", "forward_cpu_s"), ("dllm_replica_cpu_seconds_total", "cpu_s"),
+                          ("dllm_step_cpu_seconds_total", "step_cpu_s"),
                           ("dllm_step_seconds_total", "step_s"), ("dllm_tokens_forwarded_total", "tokens"),
                           ("dllm_output_tokens_total", "output_tokens"), ("dllm_blocks_committed_total", "blocks")):
             m[name].labels(replica).inc(report[key])

@@ -23,14 +23,15 @@ class Endpoint:
     api_key: str | None = None
     extra: dict = field(default_factory=dict)  # merged into every body (dLLM fields)
     timeout_s: float = 120.0
+    stream: bool = True  # False: one JSON answer per request (no per-block events)
 
     @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.chat else "/v1/completions"
 
     def body(self, arrival: Arrival) -> dict:
-        body = {"model": self.model, "max_tokens": arrival.max_tokens or self.max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, **self.extra}
+        body = {"model": self.model, "max_tokens": arrival.max_tokens or self.max_tokens, "stream": self.stream,
+                **({"stream_options": {"include_usage": True}} if self.stream else {}), **self.extra}
         if self.chat:
             body["messages"] = [{"role": "user", "content": arrival.prompt}]
         else:
@@ -132,9 +133,18 @@ async def _read_stream(response: httpx.Response, record: Record, sent: float) ->
         record.output_tokens, record.tokens_from = usage_tokens, "usage"
 
 
+def _read_answer(body: dict, record: Record, latency_s: float) -> None:
+    """Fill ``record`` from a non-streamed answer (its text arrives all at once: TTFB = latency)."""
+    record.status, record.ttfb_s = OK, latency_s
+    record.output_tokens, record.tokens_from = body["usage"]["completion_tokens"], "usage"
+    dllm = body.get("dllm") or {}
+    record.steps, record.replica, record.engine_s = dllm.get("steps"), dllm.get("replica"), dllm.get("engine_s")
+
+
 async def send(client: httpx.AsyncClient, endpoint: Endpoint, index: int, arrival: Arrival,
                start: float) -> Record:
-    """Send one streamed request now and record its outcome; never raises for request failures.
+    """Send one request now (streamed unless ``endpoint.stream`` is False) and record its
+    outcome; never raises for request failures.
 
     ``start`` is the run's origin on the event loop's clock.
     """
@@ -145,8 +155,13 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, index: int, arriva
         async with asyncio.timeout(endpoint.timeout_s):
             async with client.stream("POST", endpoint.path, json=endpoint.body(arrival)) as response:
                 record.http_status = response.status_code
-                if response.status_code == 200:
+                if response.status_code == 200 and endpoint.stream:
                     await _read_stream(response, record, sent)
+                elif response.status_code == 200:
+                    try:
+                        _read_answer(json.loads(await response.aread()), record, loop.time() - sent)
+                    except (ValueError, KeyError, TypeError):
+                        record.error = f"malformed answer: {response.text[:120]!r}"
                 else:
                     await response.aread()
                     record.error = f"HTTP {response.status_code}: {error_message(response)}"

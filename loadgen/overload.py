@@ -9,9 +9,9 @@ came back, admitted latency, the request path's overhead (client latency minus t
 time the server reports as dllm.engine_s), and CPU time by process role, read from
 /proc/<pid>/stat before and after each phase (n/a for a remote URL): the ingress replicas,
 Serve's proxy, HAProxy and its manager actor, the Serve controller and the metrics actor
-(together: the control plane), the engine replicas (and, apart, their CPU outside the model
-forwards: process CPU less the forward CPU the server reports as forward_cpu_s in
-GET /health), and this client. The processes are the Ray workers, by their titles
+(together: the control plane), the engine replicas (and, apart, their CPU outside their
+engine steps, in the steps outside the model forwards, and in the forwards, from the
+forward_cpu_s and step_cpu_s the server reports in GET /health), and this client. The processes are the Ray workers, by their titles
 (ray::ServeReplica...Ingress, ray::ProxyActor, ...), that the same raylet started as the
 process listening on the URL's port (HAProxy's: its manager's), so other local clusters do
 not count. CPU per admitted and per refused request: a least-squares fit of each phase's
@@ -180,13 +180,14 @@ def local_port(url: str) -> int | None:
 
 
 # ---- the report of one phase ----------------------------------------------------------------
-ENGINE_FORWARD, CLIENT = "engine_forward", "client"  # the other entries of a phase's ``cpu_s``
+# the other entries of a phase's ``cpu_s``: the engines' CPU in forwards and in whole steps, the client's
+ENGINE_FORWARD, ENGINE_STEPS, CLIENT = "engine_forward", "engine_steps", "client"
 
 
 def phase_report(label: str, records: list[Record], offered_rate: float | None, slo_latency_s: float,
                  cpu_s: dict[str, float] | None) -> dict:
-    """What one phase showed; ``cpu_s``: CPU seconds per role of ``ROLES``, ``ENGINE_FORWARD``
-    (the engines' forwards) and ``CLIENT`` (None: not measured)."""
+    """What one phase showed; ``cpu_s``: CPU seconds per role of ``ROLES``, ``ENGINE_FORWARD``,
+    ``ENGINE_STEPS`` and ``CLIENT`` (None: not measured)."""
     summary = summarize(records, offered_rate, slo_latency_s)
     refused = [r.latency_s for r in records if r.status == REFUSED]
     path = [r.latency_s - r.engine_s for r in records if r.status == OK and r.engine_s is not None]
@@ -210,25 +211,34 @@ def _engine_serving(cpu_s: dict[str, float]) -> float:
     return max(0.0, cpu_s["engine"] - cpu_s[ENGINE_FORWARD])
 
 
+ENGINE_PARTS = {  # how the engine replicas' CPU outside their forwards splits
+    "engine_outside_forwards": _engine_serving,
+    "engine_outside_steps": lambda c: c["engine"] - c[ENGINE_STEPS],  # Serve's wrapper, queues, chunks, reports
+    "engine_host_in_steps": lambda c: c[ENGINE_STEPS] - c[ENGINE_FORWARD],  # scheduling, algorithms, commits
+}
+
+
 def cpu_per_outcome(phases: list[dict]) -> dict[str, dict[str, float]] | None:
-    """CPU seconds per admitted and per refused request, for the control plane, each of its
-    roles, the engines outside their forwards and the client: least squares of each phase's
-    CPU on its (completed, refused) counts. None without two measured phases whose mixes differ."""
+    """CPU per admitted and per refused request, and per second whatever the load (timers,
+    reports, Serve's own loops), for the control plane, each of its roles, the engines
+    outside their forwards and the client: least squares of each phase's CPU on its
+    completed and refused counts and the seconds it was measured over. None without three
+    measured phases whose mixes differ."""
     measured = [p for p in phases if p["cpu_s"]]
-    counts = np.array([[p["completed"], p["refused"]] for p in measured], dtype=float)
-    if len(measured) < 2 or np.linalg.matrix_rank(counts) < 2:
+    columns = np.array([[p["completed"], p["refused"], p["cpu_window_s"]] for p in measured], dtype=float)
+    if len(measured) < 3 or np.linalg.matrix_rank(columns) < 3:
         return None
-    groups = {"control_plane": lambda c: sum(c[r] for r in CONTROL_PLANE),
-              "engine_outside_forwards": _engine_serving, CLIENT: lambda c: c[CLIENT],
+    groups = {"control_plane": lambda c: sum(c[r] for r in CONTROL_PLANE), **ENGINE_PARTS,
+              CLIENT: lambda c: c[CLIENT],
               **{role: (lambda c, role=role: c[role]) for role in CONTROL_PLANE}}
     fit = {}
     for name, of in groups.items():
-        (admitted, refused), *_ = np.linalg.lstsq(counts, np.array([of(p["cpu_s"]) for p in measured]), rcond=None)
-        fit[name] = {"admitted": float(admitted), "refused": float(refused)}
+        (admitted, refused, per_s), *_ = np.linalg.lstsq(
+            columns, np.array([of(p["cpu_s"]) for p in measured]), rcond=None)
+        fit[name] = {"admitted": float(admitted), "refused": float(refused), "per_second": float(per_s)}
     return fit
 
 
-# ---- the run ----------------------------------------------------------------------------------
 async def server_figure(http: httpx.AsyncClient, key: str) -> float | None:
     """A figure the server says in GET /health (``slo_latency_s``, ``forward_cpu_s``), if any."""
     try:
@@ -244,7 +254,7 @@ async def server_slo(http: httpx.AsyncClient) -> float | None:
     return value if value else None
 
 
-REPORT_SETTLE_S = 1.5  # replicas report their forward CPU once per stats period: wait for the last report
+REPORT_SETTLE_S = 1.5  # replicas report their forward and step CPU once per stats period: wait for the last report
 
 
 async def _measured(label: str, offered_rate: float | None, run: Awaitable[list[Record]], slo_latency_s: float,
@@ -252,16 +262,20 @@ async def _measured(label: str, offered_rate: float | None, run: Awaitable[list[
     """Run one phase; CPU is measured when ``raylet`` is known and has such processes: the
     processes' and the reported forward CPU once the phase's last reports are in."""
     before = {} if raylet is None else cluster_cpu(raylet)
-    forward, client_cpu = await server_figure(http, "forward_cpu_s"), time.process_time()
+    engine = {ENGINE_FORWARD: "forward_cpu_s", ENGINE_STEPS: "step_cpu_s"}  # as /health says them
+    reported = {part: await server_figure(http, key) or 0.0 for part, key in engine.items()}
+    client_cpu, started = time.process_time(), time.monotonic()
     records = await run
     cpu_s = None
     if before:
         client_cpu = time.process_time() - client_cpu
         await asyncio.sleep(REPORT_SETTLE_S)
-        forward_after = await server_figure(http, "forward_cpu_s")
-        cpu_s = {**cpu_delta(before, cluster_cpu(raylet)), CLIENT: client_cpu,
-                 ENGINE_FORWARD: max(0.0, (forward_after or 0.0) - (forward or 0.0))}
-    return phase_report(label, records, offered_rate, slo_latency_s, cpu_s)
+        cpu_s = {**cpu_delta(before, cluster_cpu(raylet)), CLIENT: client_cpu}
+        for part, key in engine.items():
+            cpu_s[part] = max(0.0, (await server_figure(http, key) or 0.0) - reported[part])
+    report = phase_report(label, records, offered_rate, slo_latency_s, cpu_s)
+    report["cpu_window_s"] = time.monotonic() - started  # what the CPU figures cover
+    return report
 
 
 async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: bool = False) -> dict:
@@ -294,7 +308,8 @@ async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: b
                                           slo, raylet, http))
     for phase in phases:
         phase["goodput_over_capacity"] = phase["goodput_rps"] / capacity if capacity > 0 else None
-    return {"url": endpoint.url, "model": endpoint.model, "api": endpoint.path, "slo_latency_s": slo,
+    return {"url": endpoint.url, "model": endpoint.model, "api": endpoint.path, "stream": endpoint.stream,
+            "slo_latency_s": slo,
             "slo_from": slo_from, "clients": plan.clients, "capacity_s": plan.capacity_s,
             "duration_s": plan.duration_s, "capacity_rps": capacity, "phases": phases,
             "cpu": _cpu_note(port, raylet, phases), "cpu_per_outcome_s": cpu_per_outcome(phases)}
@@ -334,7 +349,8 @@ _COLUMNS = (  # header, width, value of a phase report
 
 
 def format_overload(result: dict) -> str:
-    lines = [f"target      {result['model']} at {result['url']}{result['api']}",
+    lines = [f"target      {result['model']} at {result['url']}{result['api']}"
+             f" ({'streamed' if result['stream'] else 'whole answers'})",
              f"SLO         latency <= {result['slo_latency_s']:g} s (from {result['slo_from']})",
              f"capacity    {result['capacity_rps']:.2f} req/s completed by {result['clients']} closed-loop clients "
              f"in {result['capacity_s']:g} s; loads: Poisson for {result['duration_s']:g} s each",
@@ -346,8 +362,10 @@ def format_overload(result: dict) -> str:
              f"(CPU {result['cpu']})"]
     fit = result["cpu_per_outcome_s"]
     if fit:
-        lines.append("CPU ms per admitted / per refused request (least squares over the phases):")
-        lines += [f"  {name:<24} {_ms(split['admitted']):>7} / {_ms(split['refused'])}" for name, split in fit.items()]
+        lines.append("CPU ms per admitted request / per refused request / per second at any load "
+                     "(least squares over the phases):")
+        lines += [f"  {name:<24} {_ms(split['admitted']):>7} / {_ms(split['refused']):>6} / "
+                  f"{_ms(split['per_second'])}" for name, split in fit.items()]
     lines += [f"error       {p['load']}: {count} x {message}" for p in result["phases"]
               for message, count in p["top_errors"].items()]
     return "\n".join(lines)
@@ -363,6 +381,8 @@ def add_bench_overload_parser(targets) -> None:
                "exit status: 0; 1 when the closed loop completed no request; 2 on bad input or an "
                "unreachable endpoint.")
     add_endpoint_options(parser)
+    parser.add_argument("--no-stream", dest="stream", action="store_false",
+                        help="ask for whole answers (stream: false) instead of streamed blocks")
     parser.add_argument("--prompt", metavar="TEXT",
                         help="send this prompt every time (default: seeded prompts of the tiny model's task)")
     parser.add_argument("--clients", type=positive_number(int), default=OverloadPlan.clients, metavar="N",
@@ -387,7 +407,7 @@ def add_bench_overload_parser(targets) -> None:
 
 def run_bench_overload(args) -> int:
     def work() -> int:
-        endpoint = endpoint_from_args(args, timeout_s=args.timeout)
+        endpoint = endpoint_from_args(args, timeout_s=args.timeout, stream=args.stream)
         plan = OverloadPlan(args.clients, args.capacity_duration, tuple(args.loads), args.duration,
                             args.slo_latency, args.seed, args.prompt)
         result = asyncio.run(bench_overload(endpoint, plan, args.quiet))

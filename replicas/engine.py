@@ -182,11 +182,11 @@ class Engine:
         """One step. A failure outside the forward and the algorithms fails the step's rows
         as a replica fault (their callers may resume them elsewhere) and is counted in
         ``failed_steps_in_a_row``; the engine goes on."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         self._drain_inbox()
         self._expire()
         try:
-            stats = self._step(start)
+            stats = self._step(start, cpu_start)
         except Exception as exc:
             self.failed_steps_in_a_row += 1
             log.exception("engine step failed (%d in a row)", self.failed_steps_in_a_row)
@@ -198,7 +198,7 @@ class Engine:
         self.failed_steps_in_a_row = 0
         return stats
 
-    def _step(self, start: float) -> StepStats | None:
+    def _step(self, start: float, cpu_start: float) -> StepStats | None:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
@@ -227,6 +227,7 @@ class Engine:
             block_steps=tuple(committed),
             prefix_units=batch.prefix_units,
             forward_cpu_s=forward_cpu,
+            step_cpu_s=time.thread_time() - cpu_start,
         )
         self.totals.record(stats)
         self.cost_model.observe_step(stats.batch_size, stats.step_s, stats.block_steps)

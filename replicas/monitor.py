@@ -47,6 +47,7 @@ class ReplicaMonitor:
         self._gauges = {"waiting": 0, "running": 0, "free_pages": 0, "total_pages": 0}
         self._calibration = CalibrationLog()  # records not yet reported
         self._forward_cpu_total_s = 0.0  # since start, for ``routing_stats``
+        self._step_cpu_total_s = 0.0
         self._reported_cpu_s = 0.0  # this process's CPU time at the last report (the first counts the start-up)
         self._reset_report()
 
@@ -54,6 +55,7 @@ class ReplicaMonitor:
         self._steps = 0
         self._forward_s = 0.0
         self._forward_cpu_s = 0.0
+        self._step_cpu_s = 0.0
         self._step_s = 0.0
         self._tokens = 0
         self._blocks = 0
@@ -77,6 +79,8 @@ class ReplicaMonitor:
             self._forward_s += stats.forward_s
             self._forward_cpu_s += stats.forward_cpu_s
             self._forward_cpu_total_s += stats.forward_cpu_s
+            self._step_cpu_s += stats.step_cpu_s
+            self._step_cpu_total_s += stats.step_cpu_s
             self._step_s += stats.step_s
             self._tokens += stats.num_tokens
             self._blocks += stats.blocks_committed
@@ -142,6 +146,7 @@ class ReplicaMonitor:
                 "predicted_drain_s": debt / drain["drain_row_steps_per_s"],
                 "live_requests": len(self._debt),
                 "forward_cpu_s": self._forward_cpu_total_s,
+                "step_cpu_s": self._step_cpu_total_s,
                 "steps_per_block": steps_per_block,
                 "stats_time": time.time(),
                 **drain,
@@ -162,7 +167,7 @@ class ReplicaMonitor:
             out = {
                 "cpu_s": cpu_s - self._reported_cpu_s,  # this process's CPU since the last report
                 "steps": self._steps, "forward_s": self._forward_s, "forward_cpu_s": self._forward_cpu_s,
-                "step_s": self._step_s,
+                "step_cpu_s": self._step_cpu_s, "step_s": self._step_s,
                 "tokens": self._tokens, "blocks": self._blocks, "output_tokens": self._output_tokens,
                 "overheads_s": self._overheads, "batch_sizes": self._batch_sizes,
                 "block_steps": self._block_steps, "latencies_s": self._latencies,

@@ -18,6 +18,7 @@ class StepStats:
     block_steps: tuple[int, ...]  # steps taken by each block committed this step
     prefix_units: int = 0  # page-sized units besides the block units: prompt chunks and commit writes
     forward_cpu_s: float = 0.0  # CPU time of the engine thread in the forward (its intra-op threads' not counted)
+    step_cpu_s: float = 0.0  # CPU time of the engine thread in the whole step
 
     @property
     def overhead_s(self) -> float:

@@ -64,6 +64,24 @@ def test_ok_stream_with_usage():
     assert 0 < record.ttfb_s <= record.latency_s and record.index == 3
 
 
+def test_a_whole_answer_when_not_streamed():
+    seen = {}
+
+    def handler(request):
+        seen.update(json.loads(request.content))
+        return httpx.Response(200, json={"choices": [{"text": "1234"}], "usage": {"completion_tokens": 4},
+                                         "dllm": {"steps": 5, "replica": "r2", "engine_s": 0.25}})
+
+    record = run_send(handler, Endpoint(url="http://test", model="tiny", stream=False))
+    assert seen["stream"] is False and "stream_options" not in seen
+    assert (record.status, record.output_tokens, record.tokens_from, record.steps, record.replica,
+            record.engine_s) == (OK, 4, "usage", 5, "r2", 0.25)
+    assert record.ttfb_s == pytest.approx(record.latency_s, abs=0.05)
+    record = run_send(lambda r: httpx.Response(200, content=b"not json"),
+                      Endpoint(url="http://test", model="tiny", stream=False))
+    assert record.status == ERROR and record.error.startswith("malformed answer")
+
+
 def test_without_usage_tokens_are_characters():
     record = run_send(lambda r: httpx.Response(200, content=sse(chunk("12 34"), chunk("5"), b"[DONE]")))
     assert (record.status, record.output_tokens, record.tokens_from) == (OK, 5, "characters")

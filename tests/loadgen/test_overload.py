@@ -113,7 +113,7 @@ def records() -> list[Record]:
 
 def test_phase_report_from_records():
     cpu_s = {**dict.fromkeys(overload.ROLES, 0.0), "ingress": 0.01, "proxy": 0.005, "metrics": 0.005,
-             "engine": 0.5, overload.ENGINE_FORWARD: 0.47, overload.CLIENT: 0.2}
+             "engine": 0.5, overload.ENGINE_FORWARD: 0.47, overload.ENGINE_STEPS: 0.49, overload.CLIENT: 0.2}
     report = overload.phase_report("2x", records(), 5.0, slo_latency_s=4.0, cpu_s=cpu_s)
     duration = 1.0 + 6.0  # first send (0) to the last completion: sent at 1.0, took 6 s
     assert report["load"] == "2x" and report["offered_rate"] == 5.0
@@ -129,17 +129,18 @@ def test_phase_report_from_records():
 
 
 def test_cpu_per_admitted_and_per_refused_request_is_fitted_over_the_phases():
-    def phase(completed, refused, ingress_ms):
-        cpu = {**dict.fromkeys(overload.ROLES, 0.0), "ingress": ingress_ms / 1000, "engine": 0.0,
-               overload.ENGINE_FORWARD: 0.0, overload.CLIENT: 0.0}
-        return {"completed": completed, "refused": refused, "cpu_s": cpu}
+    def phase(completed, refused, seconds):
+        ingress_s = 0.003 * completed + 0.0005 * refused + 0.02 * seconds
+        cpu = {**dict.fromkeys(overload.ROLES, 0.0), "ingress": ingress_s, "engine": 0.0,
+               overload.ENGINE_FORWARD: 0.0, overload.ENGINE_STEPS: 0.0, overload.CLIENT: 0.0}
+        return {"completed": completed, "refused": refused, "cpu_window_s": seconds, "cpu_s": cpu}
 
-    # 3 ms per admitted and 0.5 ms per refused request, in three mixes
-    phases = [phase(100, 0, 300), phase(100, 200, 400), phase(50, 400, 350)]
+    # 3 ms per admitted and 0.5 ms per refused request, 20 ms a second whatever the load, in four mixes
+    phases = [phase(100, 0, 15), phase(100, 200, 20), phase(50, 400, 20), phase(120, 10, 25)]
     fit = overload.cpu_per_outcome(phases)
-    assert fit["ingress"]["admitted"] == pytest.approx(0.003) and fit["ingress"]["refused"] == pytest.approx(0.0005)
+    assert fit["ingress"] == pytest.approx({"admitted": 0.003, "refused": 0.0005, "per_second": 0.02})
     assert fit["control_plane"] == fit["ingress"]
-    assert overload.cpu_per_outcome(phases[:1]) is None  # one mix cannot be split
+    assert overload.cpu_per_outcome(phases[:2]) is None  # two phases cannot split three figures
 
 
 def test_phase_report_without_cpu_or_answers():
@@ -257,7 +258,7 @@ def test_a_local_cluster_is_measured(monkeypatch):
 
 # ---- the command --------------------------------------------------------------------------------
 def test_help_explains_every_option(capsys):
-    assert_help_explains_every_option(capsys, ("bench", "overload"), 12, ("exit status", "goodput", "/proc"))
+    assert_help_explains_every_option(capsys, ("bench", "overload"), 13, ("exit status", "goodput", "/proc"))
 
 
 def test_bad_url_is_a_message_and_exit_2(capsys):
