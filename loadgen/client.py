@@ -1,15 +1,21 @@
-"""One streamed request against an OpenAI-compatible endpoint, with SSE parsing."""
+"""One request against an OpenAI-compatible endpoint (streamed with SSE parsing, or whole),
+over aiohttp: a load generator shares the machine with what it measures, and aiohttp costs
+the client about 0.9 ms of CPU per request where httpx costs about 3 (measured side by side
+against a local dllm-serve)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-import httpx
+import aiohttp
 
 from loadgen.records import OK, REFUSED, Arrival, LoadgenError, Record
+
+HttpError = (aiohttp.ClientError, TimeoutError)  # what a failed exchange raises
 
 
 @dataclass(frozen=True)
@@ -39,34 +45,87 @@ class Endpoint:
         return body
 
 
-def make_client(endpoint: Endpoint) -> httpx.AsyncClient:
-    """An HTTP client with no connection cap, so that no request waits client-side."""
-    headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
-    return httpx.AsyncClient(base_url=endpoint.url, headers=headers, timeout=endpoint.timeout_s,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-                             trust_env=False)
+@dataclass(frozen=True)
+class Reply:
+    """A whole HTTP answer."""
+
+    status: int
+    body: bytes
+    headers: Mapping[str, str]
+    url: str
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
 
 
-def error_message(response: httpx.Response) -> str:
+class HttpClient:
+    """An aiohttp session bound to ``endpoint.url`` (which may have a path prefix), with no
+    connection cap, so that no request waits client-side."""
+
+    def __init__(self, endpoint: Endpoint):
+        self.base = endpoint.url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "HttpClient":
+        self._session = aiohttp.ClientSession(headers=self._headers, trust_env=False,
+                                              connector=aiohttp.TCPConnector(limit=0),
+                                              timeout=aiohttp.ClientTimeout(total=None))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._session.close()
+
+    def post(self, path: str, body: dict):
+        """``async with client.post(path, body) as response``: an aiohttp response to read."""
+        return self._session.post(self.base + path, json=body)
+
+    async def get(self, path: str, params: Mapping | None = None, timeout_s: float = 10.0) -> Reply:
+        async with asyncio.timeout(timeout_s):
+            async with self._session.get(self.base + path, params=params) as response:
+                return Reply(response.status, await response.read(), response.headers, str(response.url))
+
+
+def make_client(endpoint: Endpoint) -> HttpClient:
+    return HttpClient(endpoint)
+
+
+def error_message(reply: Reply) -> str:
     """The message of an OpenAI error envelope, else the start of the body."""
     try:
-        return str(response.json()["error"]["message"])
+        return str(reply.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return response.text[:200] or response.reason_phrase
+        return reply.text[:200] or f"HTTP {reply.status}"
 
 
-async def first_model(client: httpx.AsyncClient) -> str:
+async def first_model(client: HttpClient) -> str:
     """The first model that ``GET /v1/models`` lists; ``LoadgenError`` if that fails."""
     try:
-        response = await client.get("/v1/models", timeout=10)
-    except httpx.HTTPError as exc:
-        raise LoadgenError(f"cannot reach {client.base_url}: {type(exc).__name__}: {exc}") from None
-    if response.status_code != 200:
-        raise LoadgenError(f"GET {response.url} answered {response.status_code}: {error_message(response)}")
+        reply = await client.get("/v1/models")
+    except HttpError as exc:
+        raise LoadgenError(f"cannot reach {client.base}: {type(exc).__name__}: {exc}") from None
+    if reply.status != 200:
+        raise LoadgenError(f"GET {reply.url} answered {reply.status}: {error_message(reply)}")
     try:
-        return response.json()["data"][0]["id"]
+        return reply.json()["data"][0]["id"]
     except (ValueError, KeyError, IndexError, TypeError):
-        raise LoadgenError(f"GET {response.url} did not list any model; give --model") from None
+        raise LoadgenError(f"GET {reply.url} did not list any model; give --model") from None
+
+
+async def lines_of(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The body's lines, without their line ends (of any length: aiohttp's own line
+    iterator refuses lines over 64 KiB)."""
+    pending = b""
+    async for piece in response.content.iter_any():
+        *lines, pending = (pending + piece).split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8")
 
 
 async def sse_data(lines: AsyncIterable[str]) -> AsyncIterator[str]:
@@ -91,18 +150,18 @@ def chunk_text(event: dict) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(reply: Reply) -> float | None:
     try:
-        return float(response.headers["Retry-After"])
+        return float(reply.headers["Retry-After"])
     except (KeyError, ValueError):
         return None
 
 
-async def _read_stream(response: httpx.Response, record: Record, sent: float) -> None:
+async def _read_stream(response: aiohttp.ClientResponse, record: Record, sent: float) -> None:
     """Fill ``record`` from an SSE body; ``ok`` only if it reaches ``[DONE]`` without an error event."""
     loop = asyncio.get_running_loop()
     characters, usage_tokens = 0, None
-    async for data in sse_data(response.aiter_lines()):
+    async for data in sse_data(lines_of(response)):
         if data == "[DONE]":
             record.status = OK
             break
@@ -133,15 +192,27 @@ async def _read_stream(response: httpx.Response, record: Record, sent: float) ->
         record.output_tokens, record.tokens_from = usage_tokens, "usage"
 
 
-def _read_answer(body: dict, record: Record, latency_s: float) -> None:
-    """Fill ``record`` from a non-streamed answer (its text arrives all at once: TTFB = latency)."""
+def _read_reply(reply: Reply, record: Record, latency_s: float) -> None:
+    """Fill ``record`` from a whole answer: a non-streamed completion (its text arrives all at
+    once: TTFB = latency), a refusal or an error."""
+    if reply.status != 200:
+        record.error = f"HTTP {reply.status}: {error_message(reply)}"
+        if reply.status == 429:
+            record.status, record.retry_after_s = REFUSED, _retry_after(reply)
+        return
+    try:
+        body = reply.json()
+        tokens = body["usage"]["completion_tokens"]
+        dllm = body.get("dllm") or {}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        record.error = f"malformed answer: {reply.text[:120]!r}"
+        return
     record.status, record.ttfb_s = OK, latency_s
-    record.output_tokens, record.tokens_from = body["usage"]["completion_tokens"], "usage"
-    dllm = body.get("dllm") or {}
+    record.output_tokens, record.tokens_from = tokens, "usage"
     record.steps, record.replica, record.engine_s = dllm.get("steps"), dllm.get("replica"), dllm.get("engine_s")
 
 
-async def send(client: httpx.AsyncClient, endpoint: Endpoint, index: int, arrival: Arrival,
+async def send(client: HttpClient, endpoint: Endpoint, index: int, arrival: Arrival,
                start: float) -> Record:
     """Send one request now (streamed unless ``endpoint.stream`` is False) and record its
     outcome; never raises for request failures.
@@ -153,23 +224,16 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, index: int, arriva
     record = Record(index=index, planned_s=arrival.time_s, sent_s=sent - start)
     try:
         async with asyncio.timeout(endpoint.timeout_s):
-            async with client.stream("POST", endpoint.path, json=endpoint.body(arrival)) as response:
-                record.http_status = response.status_code
-                if response.status_code == 200 and endpoint.stream:
+            async with client.post(endpoint.path, endpoint.body(arrival)) as response:
+                record.http_status = response.status
+                if response.status == 200 and endpoint.stream:
                     await _read_stream(response, record, sent)
-                elif response.status_code == 200:
-                    try:
-                        _read_answer(json.loads(await response.aread()), record, loop.time() - sent)
-                    except (ValueError, KeyError, TypeError):
-                        record.error = f"malformed answer: {response.text[:120]!r}"
                 else:
-                    await response.aread()
-                    record.error = f"HTTP {response.status_code}: {error_message(response)}"
-                    if response.status_code == 429:
-                        record.status, record.retry_after_s = REFUSED, _retry_after(response)
+                    reply = Reply(response.status, await response.read(), response.headers, str(response.url))
+                    _read_reply(reply, record, loop.time() - sent)
     except TimeoutError:
         record.error = f"timed out after {endpoint.timeout_s:g} s"
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, UnicodeDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     record.latency_s = loop.time() - sent
     return record

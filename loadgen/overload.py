@@ -33,7 +33,6 @@ from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import httpx
 import numpy as np
 
 from loadgen import client
@@ -239,16 +238,16 @@ def cpu_per_outcome(phases: list[dict]) -> dict[str, dict[str, float]] | None:
     return fit
 
 
-async def server_figure(http: httpx.AsyncClient, key: str) -> float | None:
+async def server_figure(http: client.HttpClient, key: str) -> float | None:
     """A figure the server says in GET /health (``slo_latency_s``, ``forward_cpu_s``), if any."""
     try:
-        value = (await http.get(HEALTH_PATH, timeout=10)).json().get(key)
-    except (httpx.HTTPError, ValueError, AttributeError):
+        value = (await http.get(HEALTH_PATH)).json().get(key)
+    except (*client.HttpError, ValueError, AttributeError):
         return None
     return float(value) if isinstance(value, (int, float)) and value >= 0 else None
 
 
-async def server_slo(http: httpx.AsyncClient) -> float | None:
+async def server_slo(http: client.HttpClient) -> float | None:
     """The latency SLO the server says it admits for, if any."""
     value = await server_figure(http, "slo_latency_s")
     return value if value else None
@@ -258,7 +257,7 @@ REPORT_SETTLE_S = 1.5  # replicas report their forward and step CPU once per sta
 
 
 async def _measured(label: str, offered_rate: float | None, run: Awaitable[list[Record]], slo_latency_s: float,
-                    raylet: int | None, http: httpx.AsyncClient) -> dict:
+                    raylet: int | None, http: client.HttpClient) -> dict:
     """Run one phase; CPU is measured when ``raylet`` is known and has such processes: the
     processes' and the reported forward CPU once the phase's last reports are in."""
     before = {} if raylet is None else cluster_cpu(raylet)

@@ -31,7 +31,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
-import httpx
 import numpy as np
 
 from loadgen import client
@@ -53,15 +52,15 @@ class CalibrationPlan:
     replicas: int = 1  # serving, so that a load point's rate is per replica
 
 
-async def fetch_calibration(http: httpx.AsyncClient, window_s: float) -> dict:
+async def fetch_calibration(http: client.HttpClient, window_s: float) -> dict:
     """What every replica measured in the last ``window_s`` seconds; ``LoadgenError`` if
     the server has no such endpoint."""
     try:
-        response = await http.get(CALIBRATION_PATH, params={"window_s": window_s}, timeout=30)
-    except httpx.HTTPError as exc:
+        response = await http.get(CALIBRATION_PATH, params={"window_s": window_s}, timeout_s=30)
+    except client.HttpError as exc:
         raise LoadgenError(f"GET {CALIBRATION_PATH} failed: {type(exc).__name__}: {exc}") from None
-    if response.status_code != 200:
-        raise LoadgenError(f"GET {CALIBRATION_PATH} answered {response.status_code}: "
+    if response.status != 200:
+        raise LoadgenError(f"GET {CALIBRATION_PATH} answered {response.status}: "
                            f"{client.error_message(response)} (is this a dllm-serve cluster?)")
     return response.json()
 
@@ -91,7 +90,7 @@ def request_overheads(records: list[Record], points: int = 100) -> list[float]:
     return [max(0.0, round(float(g), 5)) for g in np.quantile(gaps, (np.arange(points) + 0.5) / points)]
 
 
-async def measure_load(http: httpx.AsyncClient, endpoint: client.Endpoint, rate: float, arrivals: list,
+async def measure_load(http: client.HttpClient, endpoint: client.Endpoint, rate: float, arrivals: list,
                        replicas: int, label: str | None) -> tuple[dict, dict, list[Record]]:
     """Send ``arrivals``; returns the load point measured meanwhile (at ``rate`` / replicas),
     the pooled replica reports and the client's records."""

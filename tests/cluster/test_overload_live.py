@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from loadgen import client
 from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
 from loadgen.records import ERROR, OK, REFUSED, Record
 from loadgen.runner import run_closed_loop, run_open_loop
@@ -87,8 +86,8 @@ class Sampler(threading.Thread):
 async def overload(base_url: str, run: Run) -> None:
     """The closed loop, then Poisson arrivals at OVERLOAD x its throughput; every answer kept."""
     prompts = tiny_prompts(500, seed=5)
-    endpoint = client.Endpoint(url=base_url, model="tiny", timeout_s=120)
-    async with client.make_client(endpoint) as http:
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, trust_env=False,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as http:
         async def send(index, arrival, start) -> Record:
             loop = asyncio.get_running_loop()
             sent = loop.time()

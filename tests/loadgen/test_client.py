@@ -1,13 +1,16 @@
-"""One streamed request against a mock OpenAI endpoint (httpx.MockTransport): SSE parsing and outcomes."""
+"""One request against a stand-in OpenAI endpoint on 127.0.0.1: SSE parsing and outcomes."""
 
 import asyncio
 import json
+import socket
+from dataclasses import replace
 
 import httpx
 import pytest
 
-from loadgen.client import Endpoint, chunk_text, first_model, send, sse_data
+from loadgen.client import Endpoint, chunk_text, first_model, make_client, send, sse_data
 from loadgen.records import ERROR, OK, REFUSED, Arrival, LoadgenError
+from tests.loadgen.http_stand_in import stand_in
 
 ARRIVAL = Arrival(0.0, "1.3. ..2. 4... .1.4", max_tokens=32)
 
@@ -23,12 +26,18 @@ def chunk(text, usage=None, steps=3):
     return body
 
 
-def run_send(handler, endpoint=None, timeout_s=5.0):
+def send_to(url, endpoint=None, timeout_s=5.0):
+    endpoint = replace(endpoint or Endpoint(url=url, model="tiny", timeout_s=timeout_s), url=url)
+
     async def main():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://test") as client:
-            ep = endpoint or Endpoint(url="http://test", model="tiny", timeout_s=timeout_s)
-            return await send(client, ep, 3, ARRIVAL, asyncio.get_running_loop().time())
+        async with make_client(endpoint) as client:
+            return await send(client, endpoint, 3, ARRIVAL, asyncio.get_running_loop().time())
     return asyncio.run(main())
+
+
+def run_send(handler, endpoint=None, timeout_s=5.0):
+    with stand_in(handler) as url:
+        return send_to(url, endpoint, timeout_s)
 
 
 def test_sse_data_joins_lines_and_skips_comments():
@@ -72,13 +81,13 @@ def test_a_whole_answer_when_not_streamed():
         return httpx.Response(200, json={"choices": [{"text": "1234"}], "usage": {"completion_tokens": 4},
                                          "dllm": {"steps": 5, "replica": "r2", "engine_s": 0.25}})
 
-    record = run_send(handler, Endpoint(url="http://test", model="tiny", stream=False))
+    record = run_send(handler, Endpoint(url="", model="tiny", stream=False))
     assert seen["stream"] is False and "stream_options" not in seen
     assert (record.status, record.output_tokens, record.tokens_from, record.steps, record.replica,
             record.engine_s) == (OK, 4, "usage", 5, "r2", 0.25)
     assert record.ttfb_s == pytest.approx(record.latency_s, abs=0.05)
     record = run_send(lambda r: httpx.Response(200, content=b"not json"),
-                      Endpoint(url="http://test", model="tiny", stream=False))
+                      Endpoint(url="", model="tiny", stream=False))
     assert record.status == ERROR and record.error.startswith("malformed answer")
 
 
@@ -94,7 +103,7 @@ def test_chat_body_and_extra_fields():
         seen["path"], seen["body"] = request.url.path, json.loads(request.content)
         return httpx.Response(200, content=sse({"choices": [{"delta": {"content": "12"}}]}, b"[DONE]"))
 
-    endpoint = Endpoint(url="http://test", model="tiny", chat=True, max_tokens=64, extra={"algorithm": "fixed_steps"})
+    endpoint = Endpoint(url="", model="tiny", chat=True, max_tokens=64, extra={"algorithm": "fixed_steps"})
     record = run_send(handler, endpoint)
     assert seen["path"] == "/v1/chat/completions" and seen["body"]["algorithm"] == "fixed_steps"
     assert seen["body"]["messages"] == [{"role": "user", "content": ARRIVAL.prompt}] and "prompt" not in seen["body"]
@@ -123,11 +132,11 @@ def test_failures_are_errors_with_their_message(handler, message):
 
 
 def test_connection_error_and_timeout():
-    def refuse(request):
-        raise httpx.ConnectError("connection refused")
-
-    record = run_send(refuse)
-    assert record.status == ERROR and record.error == "ConnectError: connection refused"
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    record = send_to(f"http://127.0.0.1:{port}")
+    assert record.status == ERROR and record.error.startswith("ClientConnectorError") and str(port) in record.error
 
     async def stall():
         yield b"data: " + json.dumps(chunk("12")).encode() + b"\n\n"
@@ -139,12 +148,37 @@ def test_connection_error_and_timeout():
 
 
 def test_first_model():
-    async def ask(handler):
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://test") as client:
+    async def ask_at(url):
+        async with make_client(Endpoint(url=url)) as client:
             return await first_model(client)
 
-    assert asyncio.run(ask(lambda r: httpx.Response(200, json={"data": [{"id": "tiny"}, {"id": "b"}]}))) == "tiny"
+    def ask(handler):
+        with stand_in(handler) as url:
+            return asyncio.run(ask_at(url))
+
+    assert ask(lambda r: httpx.Response(200, json={"data": [{"id": "tiny"}, {"id": "b"}]})) == "tiny"
     with pytest.raises(LoadgenError, match="did not list any model"):
-        asyncio.run(ask(lambda r: httpx.Response(200, json={"data": []})))
+        ask(lambda r: httpx.Response(200, json={"data": []}))
     with pytest.raises(LoadgenError, match="answered 401: wrong key"):
-        asyncio.run(ask(lambda r: httpx.Response(401, json={"error": {"message": "wrong key"}})))
+        ask(lambda r: httpx.Response(401, json={"error": {"message": "wrong key"}}))
+
+
+def test_an_event_longer_than_aiohttps_line_limit():
+    long_text = "1234" * 40_000  # 160 kB in one SSE line
+    record = run_send(lambda r: httpx.Response(200, content=sse(chunk(long_text), chunk("", usage=7), b"[DONE]")))
+    assert (record.status, record.output_tokens, record.error) == (OK, 7, None)
+
+
+def test_a_base_url_with_a_path_prefix():
+    seen = []
+
+    def handler(request):
+        seen.append(request.url.path)
+        return httpx.Response(200, json={"data": [{"id": "tiny"}]})
+
+    async def ask(url):
+        async with make_client(Endpoint(url=url + "/prefix/")) as client:
+            return await first_model(client)
+
+    with stand_in(handler) as url:
+        assert asyncio.run(ask(url)) == "tiny" and seen == ["/prefix/v1/models"]

@@ -4,6 +4,8 @@ records, a whole run against a mock server, and the command's errors."""
 import asyncio
 import json
 import os
+from contextlib import contextmanager
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -14,6 +16,7 @@ from loadgen import overload
 from loadgen.client import Endpoint
 from loadgen.records import ERROR, OK, REFUSED, Record
 from loadgen.runner import run_closed_loop
+from tests.loadgen.http_stand_in import stand_in
 
 
 def test_parse_stat_reads_the_parent_and_user_plus_system_time():
@@ -194,10 +197,19 @@ def mock_server(refuse_every: int = 3, slo: float | None = 2.0):
     return handler
 
 
+@contextmanager
+def serve_instead(monkeypatch, handler):
+    """The bench's requests go to ``handler`` served on 127.0.0.1, whatever URL it was given
+    (the given URL still decides which local processes it measures)."""
+    with stand_in(handler) as url:
+        monkeypatch.setattr(overload.client, "make_client",
+                            lambda endpoint: overload.client.HttpClient(replace(endpoint, url=url)))
+        yield
+
+
 def run_mock(monkeypatch, handler, plan, url="http://test"):
-    monkeypatch.setattr(overload.client, "make_client", lambda endpoint: httpx.AsyncClient(
-        transport=httpx.MockTransport(handler), base_url=endpoint.url))
-    return asyncio.run(overload.bench_overload(Endpoint(url=url, timeout_s=5), plan, quiet=True))
+    with serve_instead(monkeypatch, handler):
+        return asyncio.run(overload.bench_overload(Endpoint(url=url, timeout_s=5), plan, quiet=True))
 
 
 def test_a_run_against_a_mock_server(monkeypatch):
@@ -292,10 +304,9 @@ def test_no_completed_request_exits_1(monkeypatch, capsys):
         await asyncio.sleep(0.01)
         return httpx.Response(429, headers={"Retry-After": "1"}, json={"error": {"message": "busy"}})
 
-    monkeypatch.setattr(overload.client, "make_client", lambda endpoint: httpx.AsyncClient(
-        transport=httpx.MockTransport(refuse), base_url=endpoint.url))
-    assert main(["bench", "overload", "--url", "http://test", "--capacity-duration", "0.1", "--quiet",
-                 "--prompt", "1", "--json"]) == 1
+    with serve_instead(monkeypatch, refuse):
+        assert main(["bench", "overload", "--url", "http://test", "--capacity-duration", "0.1", "--quiet",
+                     "--prompt", "1", "--json"]) == 1
     out, err = capsys.readouterr()
     result = json.loads(out)
     assert result["capacity_rps"] == 0 and len(result["phases"]) == 1 and result["phases"][0]["refused"] > 0
