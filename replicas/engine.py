@@ -143,7 +143,7 @@ class Engine:
             on_output=on_output,
             aligned=self.aligned,
         )
-        self.outputs.resume(request)
+        self.outputs.start(request)
         return request
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

@@ -1,10 +1,12 @@
-"""Committing a finished block into a request's output: EOS, max_tokens, stop strings, text."""
+"""Committing a finished block into a request's output: EOS, max_tokens, stop strings, text
+(``replicas.detokenizer``: emitted only once final)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
+from replicas.detokenizer import Detokenizer
 from replicas.request import FinishReason, Request, RequestOutput
 
 
@@ -23,17 +25,20 @@ class OutputProcessor:
     def __init__(self, tokenizer, end_ids: frozenset[int], clock: Callable[[], float] = time.monotonic):
         """``end_ids``: the ids that end an answer (``ModelSpec.end_token_ids``)."""
         self.decode = text_decoder(tokenizer)
+        self.clean_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self.end_ids = end_ids
         self.clock = clock
 
-    def resume(self, request: Request) -> None:
-        """Start a continuation's output with the blocks it resumes (``params.resume_ids``)."""
+    def start(self, request: Request) -> None:
+        """Start the request's output: empty, or for a continuation the blocks it resumes
+        (``params.resume_ids``), whose text was emitted before."""
         request.output_ids = list(request.params.resume_ids)
-        request.output_text = self.decode(request.output_ids)
+        request.detokenizer = Detokenizer(self.decode, request.params.stop, self.clean_up, request.output_ids)
 
     def commit_block(self, request: Request, block_ids: list[int]) -> tuple[list[int], str]:
         """Append a done block to ``request``'s output, set its finish reason if this ends
-        it (EOS, max_tokens, a stop string), and return the token ids and text it added."""
+        it (EOS, max_tokens, a stop string), and return the token ids and text it added:
+        the ids up to the end (a stop string's included), the text up to the stop string."""
         params = request.params
         finish = None
         end = None if params.ignore_eos else next((i for i, t in enumerate(block_ids) if t in self.end_ids), None)
@@ -44,14 +49,13 @@ class OutputProcessor:
         if len(block_ids) >= room:
             block_ids = block_ids[:room]
             finish = finish or FinishReason.LENGTH
+        before = len(request.output_ids)
         request.output_ids.extend(block_ids)
-        text = self.decode(request.output_ids)
-        stop_at = self._find_stop(text, params.stop, len(request.output_text))
-        if stop_at is not None:
-            text = text[:stop_at]
+        new_text, kept = request.detokenizer.feed(request.output_ids, before, final=finish is not None)
+        if kept is not None:  # a stop string ended here: the output ends with it
+            del request.output_ids[kept:]
+            block_ids = request.output_ids[before:]
             finish = FinishReason.STOP
-        new_text = text[len(request.output_text):]
-        request.output_text = text
         now = self.clock()
         if request.first_block_time is None:
             request.first_block_time = now
@@ -76,13 +80,3 @@ class OutputProcessor:
             num_steps=request.num_steps,
             block_steps=list(request.committed_block_steps),
         )
-
-    @staticmethod
-    def _find_stop(text: str, stops: tuple[str, ...], already_checked: int) -> int | None:
-        """Earliest stop string in ``text`` that ends after the already streamed part."""
-        hits = []
-        for stop in stops:
-            at = text.find(stop, max(0, already_checked - len(stop) + 1))
-            if at >= 0:
-                hits.append(at)
-        return min(hits) if hits else None

@@ -10,6 +10,7 @@ from typing import Any
 
 from algorithms import AlgorithmParams, DllmAlgorithm
 from replicas.batching import Phase
+from replicas.detokenizer import Detokenizer
 from replicas.limits import blocks_needed
 
 
@@ -92,7 +93,7 @@ class Request:
     algorithm_state: Any = None
     # what it produced: changed by the output processor (replicas.output) and the engine
     output_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
+    detokenizer: Detokenizer | None = None  # its text so far
     finish_reason: FinishReason | None = None
     first_block_time: float | None = None
     finish_time: float | None = None
