@@ -52,12 +52,15 @@ class Failover:
     """
 
     def __init__(self, generate: Callable[[GenerateRequest], AsyncIterator[GenerateChunk]],
-                 max_attempts: int, backoff_s: float, block_length: int,
+                 max_attempts: int, backoff_s: float, block_length: int, aligned: bool = False,
                  on_failover: Callable[[], None] = lambda: None):
+        """``aligned``: blocks aligned to the sequence's start (the first answer block also
+        holds the prompt's end)."""
         self.generate = generate
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
         self.block_length = block_length
+        self.aligned = aligned
         self.on_failover = on_failover
 
     async def stream(self, job: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -113,8 +116,10 @@ class Failover:
                 raise RequestTimedOut(f"the request ran past its deadline of {job.timeout_s:g} s")
         cost = job.cost
         if cost is not None and committed:
-            total = blocks_needed(job.max_tokens, self.block_length)
-            cost = math.ceil(cost * (total - len(committed) // self.block_length) / total)
+            block = self.block_length
+            head = len(job.prompt_ids) % block if self.aligned else 0
+            total = blocks_needed(head + job.max_tokens, block)
+            cost = math.ceil(cost * (total - (head + len(committed)) // block) / total)
         return dataclasses.replace(job, request_id=f"{job.request_id}.{attempt}", resume_ids=tuple(committed),
                                    timeout_s=timeout, cost=cost)
 

@@ -104,7 +104,8 @@ class Ingress:
         self.admitted = 0
         self.failovers = 0
         self.rejected: Counter[str] = Counter()
-        failover = (self.config.failover.max_attempts, self.config.failover.backoff_s, self.spec.block_length)
+        failover = (self.config.failover.max_attempts, self.config.failover.backoff_s, self.spec.block_length,
+                    blocks_aligned(self.config.replica, self.spec))
         self.failover = Failover(lambda job: self.replicas.generate.remote(job), *failover,
                                  on_failover=self._count_failover)
         self.failover_unary = Failover(self._unary, *failover, on_failover=self._count_failover)

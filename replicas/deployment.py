@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import torch
 
@@ -73,12 +73,14 @@ class EngineReplica:
         return ray.get_runtime_context().get_node_id()
 
     # ---- requests -------------------------------------------------------------------
-    def worst_case_cost(self, params: SamplingParams) -> int:
-        """What a request that comes without a cost is charged: the algorithm's worst case."""
-        request = self.engine.make_request([0], params)
+    def worst_case_cost(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        """What a request that comes without a cost is charged: the algorithm's worst case
+        (raises RequestError for an unknown algorithm or bad parameters)."""
+        algorithm, algorithm_params = self.engine.algorithm_for(params)
         block = self.engine.block_length
-        worst = request.algorithm.worst_case_steps(request.algorithm_params, block, self.engine.config.fused_commit)
-        return request_cost(params.max_tokens, block, worst, max_request_cost(self.engine.max_model_len, block))
+        worst = algorithm.worst_case_steps(algorithm_params, block, self.engine.config.fused_commit)
+        head = len(prompt_ids) % block if self.engine.aligned else 0  # aligned: the first block holds the prompt's end
+        return request_cost(head + params.max_tokens, block, worst, max_request_cost(self.engine.max_model_len, block))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream one chunk per committed block of a tokenized request."""
@@ -89,7 +91,7 @@ class EngineReplica:
                 max_tokens=request.max_tokens, stop=tuple(request.stop), algorithm=request.algorithm,
                 algorithm_params=request.algorithm_params, ignore_eos=request.ignore_eos,
                 resume_ids=tuple(request.resume_ids), timeout_s=request.timeout_s)
-            cost = request.cost if request.cost is not None else self.worst_case_cost(params)
+            cost = request.cost if request.cost is not None else self.worst_case_cost(request.prompt_ids, params)
             stream = self.runner.generate(request.prompt_ids, params, request_id)
             first_block = None
         except RequestError as exc:

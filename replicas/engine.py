@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from algorithms import AlgorithmError, get_algorithm
+from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
 from replicas.cost_model import OnlineCostModel
 from replicas.kv_cache import KVCache, PagePool
 from replicas.models import load_model, load_tokenizer
@@ -68,8 +68,11 @@ class Engine:
         self.max_pages_per_request = self.max_model_len // size
         num_pages = config.num_pages or config.max_batch * self.max_pages_per_request + 1
         budget = config.max_tokens_per_step or max(2048, 2 * config.max_batch * size)
-        if budget < config.max_batch * size:
-            raise ValueError(f"max_tokens_per_step {budget} cannot hold {config.max_batch} blocks of {size}")
+        forced = config.max_batch * size * (2 if config.fused_commit else 1)  # what a step feeds whatever the budget
+        if budget < forced:
+            writes = " and the writes of their last committed blocks (fused_commit)" if config.fused_commit else ""
+            raise ValueError(f"max_tokens_per_step {budget} cannot hold {config.max_batch} blocks of {size}{writes}: "
+                             f"it must be at least {forced}")
         default_name, default_params = resolve_algorithm(config, spec)
         get_algorithm(default_name).make_params(default_params)  # validate early
         device = torch.device(config.device)
@@ -113,6 +116,15 @@ class Engine:
         """Tokenize user text; special-token strings in it stay text (never a mask)."""
         return self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
+    def algorithm_for(self, params: SamplingParams) -> tuple[DllmAlgorithm, AlgorithmParams]:
+        """The request's algorithm and its parameters (raises RequestError)."""
+        name, overrides = resolve_algorithm(self.config, self.spec, params.algorithm, params.algorithm_params)
+        try:
+            algorithm = get_algorithm(name)
+            return algorithm, algorithm.make_params(overrides)
+        except AlgorithmError as exc:
+            raise RequestError(str(exc)) from exc
+
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                      request_id: str | None = None,
                      on_output: Callable[[RequestOutput], None] | None = None) -> Request:
@@ -126,12 +138,7 @@ class Engine:
                                       len(prompt_ids) if self.aligned else 0)
         if resume_error:
             raise RequestError(resume_error)
-        name, overrides = resolve_algorithm(self.config, self.spec, params.algorithm, params.algorithm_params)
-        try:
-            algorithm = get_algorithm(name)
-            algorithm_params = algorithm.make_params(overrides)
-        except AlgorithmError as exc:
-            raise RequestError(str(exc)) from exc
+        algorithm, algorithm_params = self.algorithm_for(params)
         request = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=prompt_ids,

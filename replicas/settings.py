@@ -26,7 +26,7 @@ class EngineConfig(BaseModel):
     num_pages: int | None = Field(
         None, ge=2, description="KV pages (default: enough for max_batch requests of max_model_len)")
     max_tokens_per_step: int | None = Field(
-        None, ge=1, description="new-token budget per step: every row's block and its commit write always run, prompt chunks fill the rest (default: max(2048, 2 x max_batch x block length))")
+        None, ge=1, description="new-token bound per step: every row's block and, with fused_commit, the write of its last committed block always run (so it is at least max_batch x block length, twice that with fused_commit), prompt chunks fill the rest (default: max(2048, 2 x max_batch x block length))")
     max_model_len: int | None = Field(None, ge=1, description="longest prompt + output (default: the model's limit)")
     device: str = Field("cpu", description="torch device ('cpu', 'cuda')")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(

@@ -89,3 +89,31 @@ def test_the_deadline_carries_over_to_the_resumed_attempt(replica):
     assert attempts[1].timeout_s < 60.0
     with pytest.raises(RequestTimedOut, match="deadline of 60 s"):
         Failover(generate, 2, 0.0, 16)._resumed(job_for(replica, timeout_s=60.0), [], elapsed_s=60.5, attempt=2)
+
+
+def test_an_aligned_continuation_sent_without_a_cost_is_served():
+    """Aligned blocks (SDAR's and LLaDA2.0's default): a continuation's resumed ids end a
+    block only together with the prompt; the replica's worst-case charge once refused it."""
+    replica = EngineReplica("tiny", EngineConfig(max_batch=4, block_alignment="prompt"), metrics_actor=None)
+    try:
+        prompt = replica.engine.encode("12.4..7.9")  # 9 tokens: the first answer block holds 7 answer ids
+        job = GenerateRequest("a", prompt, 96, ignore_eos=True, algorithm_params={"temperature": 1.0, "seed": 3})
+        whole = collect(Failover(replica.generate, 1, 0.0, 16, aligned=True), job)
+        committed = [t for c in whole[:2] for t in c.token_ids]
+        assert len(committed) == 7 + 16
+        rest = collect(Failover(replica.generate, 1, 0.0, 16, aligned=True),
+                       GenerateRequest("b", prompt, 96, ignore_eos=True, resume_ids=tuple(committed),
+                                       algorithm_params={"temperature": 1.0, "seed": 3}))
+        assert not rest[0].error, rest[0].error
+        assert committed + [t for c in rest for t in c.token_ids] == [t for c in whole for t in c.token_ids]
+    finally:
+        replica.__del__()
+
+
+@pytest.mark.parametrize("aligned, committed, blocks", [(False, 32, 6), (True, 7 + 16, 7)])
+def test_a_continuation_is_charged_the_blocks_left(aligned, committed, blocks):
+    """Prompt of 9 tokens, 96 answer tokens, blocks of 16: unaligned 6 blocks; aligned 7 (the
+    first holds the prompt's end and 7 answer ids). Either way 2 are done."""
+    job = GenerateRequest("r", [1] * 9, 96, cost=700.0)
+    resumed = Failover(None, 2, 0.0, 16, aligned=aligned)._resumed(job, [5] * committed, 0.0, 2)
+    assert resumed.cost == -(-700 * (blocks - 2) // blocks)

@@ -191,7 +191,7 @@ def test_ingress_builds_the_request_the_replica_takes(ingress, replica):
     assert isinstance(seed, int) and 0 <= seed < 2 ** 63
     assert (request.algorithm, request.algorithm_params) == resolve_algorithm(
         ingress.config.replica, ingress.spec, None, {"threshold": 0.5})
-    assert request.cost == replica.worst_case_cost(SamplingParams(
+    assert request.cost == replica.worst_case_cost(request.prompt_ids, SamplingParams(
         max_tokens=32, algorithm=request.algorithm, algorithm_params=request.algorithm_params))
 
 

@@ -198,3 +198,20 @@ def test_fixed_fill_waits_to_fill_the_batch_or_for_the_timeout(make_engine):
             time.sleep(engine.hold_s())
     assert time.monotonic() - start >= 0.29  # a lone request waited for the timeout
     assert_pool_full(engine)
+
+
+def test_the_token_budget_is_a_bound(make_engine):
+    """A fused-commit step feeds each row's new block and its last block's write: a budget
+    of one block per row is refused, and no step feeds more than the budget."""
+    with pytest.raises(ValueError, match="at least 128"):
+        make_engine(max_batch=4, max_tokens_per_step=64, fused_commit=True)
+    make_engine(max_batch=4, max_tokens_per_step=64, fused_commit=False)
+    engine = make_engine(max_batch=4, max_tokens_per_step=128, fused_commit=True)
+    fed = []
+    for prompt in ["1.3." * 5, "abc", "12.4..7.9" * 3, "x"]:
+        engine.add_request(prompt, SamplingParams(max_tokens=48, ignore_eos=True))
+    while engine.has_work():
+        stats = engine.step()
+        if stats is not None:
+            fed.append(stats.num_tokens)
+    assert fed and max(fed) <= 128

@@ -36,7 +36,7 @@ def run(engine: Engine, prompt, params: SamplingParams):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_resumed_request_equals_the_uninterrupted_one(engine_for, arch, sampling):
-    engine = engine_for(arch, max_batch=2, max_tokens_per_step=64)
+    engine = engine_for(arch, max_batch=1, max_tokens_per_step=64)
     size = engine.block_length
     params = SamplingParams(max_tokens=3 * size + 3, ignore_eos=True, **sampling)
     whole = run(engine, PROMPT, params)
