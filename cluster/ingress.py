@@ -239,8 +239,8 @@ class Ingress:
                        type_="rate_limit_error", code="step_capacity_exceeded",
                        headers={"Retry-After": str(decision.retry_after_s)})
 
-    def _prompt(self, body: protocol.SamplingFields) -> str:
-        """The prompt text: a completion's own, or the chat template applied to the messages."""
+    def _prompt(self, body: protocol.SamplingFields) -> str | list[int]:
+        """The prompt: a completion's own (text or token ids), or the chat template applied to the messages."""
         if not isinstance(body, protocol.ChatCompletionRequest):
             return body.prompt
         messages = [m.model_dump() for m in body.messages]
@@ -252,7 +252,7 @@ class Ingress:
             log.exception("the chat template failed on a request's messages")  # no internal text to the client
             raise bad_request("messages cannot be rendered by the chat template", param="messages") from None
 
-    def _prepare(self, body: protocol.SamplingFields, prompt: str) -> GenerateRequest:
+    def _prepare(self, body: protocol.SamplingFields, prompt: str | list[int]) -> GenerateRequest:
         """Validate everything and build the replica's request; raises APIError."""
         if body.model != self.config.model_name:
             raise APIError(404, f"the model '{body.model}' does not exist; this server serves "
@@ -264,7 +264,10 @@ class Ingress:
                               f"is not available", param="block_length")
         if body.mode is not None and body.mode != self.config.replica.mode:
             raise bad_request(f"the replicas run in mode '{self.config.replica.mode.value}'", param="mode")
-        prompt_ids = self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        else:
+            prompt_ids = prompt
         max_tokens = self._max_tokens(body)
         if max_tokens <= 0:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")

@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response bodies, with the dLLM extensions.
 
-Unknown fields are ignored (OpenAI clients send many); fields we cannot honour with a
-different meaning (``n`` > 1, ``logprobs``, ``echo``, ``best_of``) are refused.
+Unknown fields are ignored (OpenAI clients send many, as OpenAI's servers do); every field
+OpenAI defines that this server cannot honour is refused (400, naming it) unless it has its
+neutral value (``UNHONOURED``): a client that asks for JSON or tools gets an error, not free text.
 
 Every field is bounded (README "Request bounds"): the shape of a request here, with
 constant limits and the ingress's settings (``RequestLimits``, passed as the validation
@@ -16,10 +17,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
 from replicas.batching import SchedulerMode
 
@@ -77,8 +79,50 @@ class DllmExtensions(BaseModel):
         return params
 
 
+def _empty(value) -> bool:
+    return not value
+
+
+def _zero(value) -> bool:
+    return value in (None, 0)
+
+
+# OpenAI fields this server cannot honour: name -> (is the value neutral?, why not)
+UNHONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+                        "structured output (json_object, json_schema) is not supported, only {'type': 'text'}"),
+    "tools": (_empty, "tool calling is not supported"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
+    "functions": (_empty, "function calling is not supported"),
+    "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
+    "logit_bias": (_empty, "not supported by the denoise algorithms"),
+    "presence_penalty": (_zero, "repetition penalties are not supported by the denoise algorithms"),
+    "frequency_penalty": (_zero, "repetition penalties are not supported by the denoise algorithms"),
+    "audio": (lambda v: v is None, "audio output is not supported"),
+    "modalities": (lambda v: v in (None, ["text"]), "only the text modality is supported"),
+    "prediction": (lambda v: v is None, "predicted outputs are not supported"),
+    "web_search_options": (lambda v: v is None, "web search is not supported"),
+    "suffix": (lambda v: v in (None, ""), "infilling with a suffix is not supported yet"),
+}
+
+
 class SamplingFields(DllmExtensions):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    # fields this server cannot honour: accepted only with their neutral value (UNHONOURED)
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    suffix: Any = None
 
     model: str = Field(max_length=MAX_NAME_CHARS)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT, description="output token limit (default: the server's)")
@@ -93,6 +137,14 @@ class SamplingFields(DllmExtensions):
     n: int = 1
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     ignore_eos: StrictBool = False
+
+    @field_validator(*UNHONOURED, mode="before")
+    @classmethod
+    def _neutral(cls, value, info: ValidationInfo):
+        neutral, why = UNHONOURED[info.field_name]
+        if not neutral(value):
+            raise ValueError(why)
+        return value
 
     @field_validator("n")
     @classmethod
@@ -127,7 +179,9 @@ class SamplingFields(DllmExtensions):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    """``prompt``: text, or token ids (``[int, ...]``); a list of one of either is that one."""
+
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -135,13 +189,17 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt, info: ValidationInfo):
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise ValueError("exactly one prompt per request is supported")
-            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            what = "token ids"  # one prompt of ids (the model checks them: vocabulary, length)
+        else:
+            if isinstance(prompt, list):
+                if len(prompt) != 1:
+                    raise ValueError("exactly one prompt per request is supported")
+                prompt = prompt[0]
+            what = "characters" if isinstance(prompt, str) else "token ids"
         limit = _limits(info).max_prompt_chars
         if len(prompt) > limit:
-            raise ValueError(f"the prompt has {len(prompt)} characters; this server takes at most {limit}")
+            raise ValueError(f"the prompt has {len(prompt)} {what}; this server takes at most {limit}")
         return prompt
 
     @field_validator("echo", "logprobs", "best_of")

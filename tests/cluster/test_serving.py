@@ -16,6 +16,7 @@ from replicas.engine import Engine, EngineConfig
 from replicas.tiny.evaluation import score, tiny_params
 from replicas.tiny.task import MAX_TOKENS as TINY_MAX_TOKENS
 from replicas.request import RequestOutput
+from replicas.models import load_tokenizer
 from replicas.tiny import task
 
 API_KEY = "test-key"  # the cluster fixture's
@@ -85,6 +86,45 @@ def test_openai_client_completes_chats_and_streams(cluster):
     text_stream = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=32, stream=True)
     pieces = [c.choices[0].text for c in text_stream]
     assert "".join(pieces) == completion.choices[0].text[:32] and len(pieces) == 2
+
+
+def test_a_token_id_prompt_answers_as_its_text_does(cluster):
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    tokenizer = load_tokenizer("tiny")
+    ids = tokenizer(SIX_PUZZLES.prompt, add_special_tokens=False)["input_ids"]
+    seeded = {"seed": 11, "temperature": 1.0}
+    by_text = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=32, extra_body=seeded)
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=32, extra_body=seeded)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids) == by_text.usage.prompt_tokens
+    for bad, words in (([10**6], "outside the vocabulary"), ([[1, 2], [3]], "exactly one prompt"),
+                       ([tokenizer.mask_token_id], "mask token")):
+        with pytest.raises(openai.BadRequestError, match=words) as refused:
+            client.completions.create(model="tiny", prompt=bad, max_tokens=8)
+        assert refused.value.body["param"] == "prompt"
+
+
+UNHONOURED_FIELDS = [
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"), ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("suffix", "end"),
+]
+
+
+@pytest.mark.parametrize("field, value", UNHONOURED_FIELDS, ids=[f for f, _ in UNHONOURED_FIELDS])
+def test_a_field_this_server_cannot_honour_is_refused_by_name(cluster, field, value):
+    response = httpx.post(cluster.base_url + "/v1/chat/completions", timeout=30, headers=AUTH, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "1.3."}], field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field}: ") and "not supported" in error["message"]
+
+
+def test_neutral_values_and_unknown_fields_are_accepted(cluster):
+    response = httpx.post(cluster.base_url + "/v1/chat/completions", timeout=60, headers=AUTH, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "1.3."}], "max_tokens": 8,
+        "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "logit_bias": {},
+        "presence_penalty": 0, "store": False, "metadata": {"a": "b"}, "some_future_field": 1})
+    assert response.status_code == 200, response.text
 
 
 def test_64_concurrent_requests_on_two_replicas_match_offline_accuracy(cluster):
