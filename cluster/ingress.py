@@ -26,6 +26,7 @@ here, reported with each call, are left to finish); no request waits on the metr
 # No postponed annotations here: FastAPI must see the routes' parameter types as objects
 # once Serve has shipped the routes to the replica.
 import asyncio
+import functools
 import logging
 import math
 import secrets
@@ -53,7 +54,7 @@ from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from cluster.request_path import path_in_this_process
 from replicas.limits import max_request_cost
-from replicas.messages import GenerateChunk, GenerateRequest, request_problem
+from replicas.messages import GenerateChunk, GenerateRequest, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
 from replicas.settings import blocks_aligned, resolve_algorithm
 
@@ -92,6 +93,7 @@ class Ingress:
         self.replicas_unary = replicas.options(stream=False, _by_reference=by_reference)
         self.keys = KeyRing(load_keys(self.config.api_key_file))  # read here, never passed in the arguments
         self.tokenizer = load_tokenizer(self.config.model)
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: self.tokenizer.decode([token]))
         self.spec = load_model_spec(self.config.model, self.config.replica.model_overrides)
         default_name, default_params = resolve_algorithm(self.config.replica, self.spec)
         get_algorithm(default_name).make_params(default_params)  # a bad default fails at start
@@ -295,6 +297,7 @@ class Ingress:
             ignore_eos=body.ignore_eos,
             cost=self.admission.cost(head + max_tokens, block, worst, max_request_cost(self.max_model_len, block)),
             timeout_s=min((t for t in (self.config.request_timeout_s, body.deadline_s) if t is not None), default=None),
+            logprobs=body.logprobs_asked,
         )
 
     def _algorithm(self, body: protocol.SamplingFields) -> tuple[str, dict]:
@@ -377,30 +380,31 @@ class Ingress:
         self.failovers += 1
 
     async def _collect(self, stream: AsyncIterator[GenerateChunk], request_id: str, chat: bool) -> JSONResponse:
-        text, last = [], None
+        chunks = []
         try:
             async for chunk in stream:
-                text.append(chunk.text)
-                last = chunk
+                chunks.append(chunk)
         except APIError:
             raise
         except Exception:
             log.exception("request %s failed", request_id)
             raise internal_error(request_id) from None
-        if last is None or last.error:
-            log.error("request %s failed: %s", request_id, last.error if last else "no output from the replica")
+        whole = joined(chunks) if chunks else None
+        if whole is None or whole.error:
+            log.error("request %s failed: %s", request_id, whole.error if whole else "no output from the replica")
             raise internal_error(request_id)
-        usage = protocol.usage(last.prompt_tokens, last.completion_tokens)
+        usage = protocol.usage(whole.prompt_tokens, whole.completion_tokens)
         build = protocol.chat_body if chat else protocol.completion_body
-        return JSONResponse(build(request_id, self.config.model_name, "".join(text), last.finish_reason,
-                                  chunk=False, usage_=usage, extra={"dllm": self._dllm_info(last)}))
+        return JSONResponse(build(request_id, self.config.model_name, whole.text, whole.finish_reason,
+                                  chunk=False, usage_=usage, extra={"dllm": self._dllm_info(whole)},
+                                  logprobs=self._logprobs(whole, chat, 0)))
 
     async def _sse(self, stream: AsyncIterator[GenerateChunk], request_id: str, chat: bool,
                    include_usage: bool) -> AsyncIterator[str]:
         """One event per committed block, then ``data: [DONE]``."""
         model = self.config.model_name
         build = protocol.chat_body if chat else protocol.completion_body
-        first, last = True, None
+        first, last, text_offset = True, None, 0
         try:
             async for chunk in stream:
                 last = chunk
@@ -410,8 +414,11 @@ class Ingress:
                     break
                 extra = {"dllm": self._dllm_info(chunk)}
                 kwargs = {"first": first} if chat else {}
+                logprobs = self._logprobs(chunk, chat, text_offset)
+                if logprobs is not None and not chat:
+                    text_offset += sum(len(token) for token in logprobs["tokens"])
                 yield protocol.sse_event(build(request_id, model, chunk.text, chunk.finish_reason, chunk=True,
-                                   extra=extra, **kwargs))
+                                               extra=extra, logprobs=logprobs, **kwargs))
                 first = False
         except APIError as exc:
             yield protocol.sse_event(exc.body())
@@ -424,6 +431,16 @@ class Ingress:
             body["choices"] = []
             yield protocol.sse_event(body)
         yield "data: [DONE]\n\n"
+
+    def _logprobs(self, chunk: GenerateChunk, chat: bool, text_offset: int) -> dict | None:
+        """The chunk's tokens' ``logprobs`` as the API shapes them; None when not asked."""
+        if chunk.logprobs is None:
+            return None
+        text = self._token_text
+        entries = [protocol.TokenEntry(text(token), None if record is None else record.logprob,
+                                       () if record is None else tuple((text(t), lp) for t, lp in record.top))
+                   for token, record in zip(chunk.token_ids, chunk.logprobs)]
+        return protocol.chat_logprobs(entries) if chat else protocol.completion_logprobs(entries, text_offset)
 
     @staticmethod
     def _dllm_info(chunk: GenerateChunk) -> dict:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
 from replicas.batching import SchedulerMode
+from replicas.logprobs import MAX_TOP_LOGPROBS
 
 MAX_NAME_CHARS = 256  # model, algorithm, user
 MAX_STOP_STRINGS = 4
@@ -183,7 +184,8 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="each token's log-probability and this many alternatives")
     best_of: int | None = None
 
     @field_validator("prompt")
@@ -202,7 +204,11 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"the prompt has {len(prompt)} {what}; this server takes at most {limit}")
         return prompt
 
-    @field_validator("echo", "logprobs", "best_of")
+    @property
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    @field_validator("echo", "best_of")
     @classmethod
     def _unsupported(cls, value, info):
         if value not in (None, False, 1):
@@ -237,6 +243,18 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     logprobs: StrictBool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top, info: ValidationInfo):
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -258,13 +276,6 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"the messages have {chars} characters together; this server takes at most {limit}")
         return messages
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value):
-        if value:
-            raise ValueError("logprobs is not supported")
-        return value
-
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -276,10 +287,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_body(request_id: str, model: str, text: str, finish_reason: str | None,
-                    chunk: bool, usage_: dict | None = None, extra: dict | None = None) -> dict:
+                    chunk: bool, usage_: dict | None = None, extra: dict | None = None,
+                    logprobs: dict | None = None) -> dict:
     body = {
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if usage_ is not None or not chunk:
         body["usage"] = usage_
@@ -289,24 +301,57 @@ def completion_body(request_id: str, model: str, text: str, finish_reason: str |
 
 
 def chat_body(request_id: str, model: str, text: str, finish_reason: str | None,
-              chunk: bool, first: bool = False, usage_: dict | None = None, extra: dict | None = None) -> dict:
+              chunk: bool, first: bool = False, usage_: dict | None = None, extra: dict | None = None,
+              logprobs: dict | None = None) -> dict:
     if chunk:
         delta = {"content": text}
         if first:
             delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         body = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model, "choices": [choice]}
         if usage_ is not None:
             body["usage"] = usage_
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": model, "choices": [choice], "usage": usage_}
     if extra:
         body.update(extra)
     return body
+
+
+@dataclass(frozen=True)
+class TokenEntry:
+    """One returned token for ``logprobs``: its text, log-probability (None: not recorded)
+    and the alternatives ``(text, log-probability)``, the most likely first."""
+
+    token: str
+    logprob: float | None
+    top: tuple[tuple[str, float], ...] = ()
+
+
+UNLIKELY = -9999.0  # OpenAI's stand-in for a log-probability it cannot give
+
+
+def completion_logprobs(entries: list[TokenEntry], text_offset: int) -> dict:
+    """The ``logprobs`` of a completion choice; ``text_offset``: the first token's offset in the answer."""
+    offsets = []
+    for entry in entries:
+        offsets.append(text_offset)
+        text_offset += len(entry.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenEntry]) -> dict:
+    """The ``logprobs`` of a chat choice."""
+    def described(token: str, logprob: float | None) -> dict:
+        return {"token": token, "logprob": UNLIKELY if logprob is None else logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**described(e.token, e.logprob), "top_logprobs": [described(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
 
 
 def sse_event(body: dict) -> str:

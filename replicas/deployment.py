@@ -90,7 +90,7 @@ class EngineReplica:
             params = SamplingParams(
                 max_tokens=request.max_tokens, stop=tuple(request.stop), algorithm=request.algorithm,
                 algorithm_params=request.algorithm_params, ignore_eos=request.ignore_eos,
-                resume_ids=tuple(request.resume_ids), timeout_s=request.timeout_s)
+                resume_ids=tuple(request.resume_ids), timeout_s=request.timeout_s, logprobs=request.logprobs)
             cost = request.cost if request.cost is not None else self.worst_case_cost(request.prompt_ids, params)
             stream = self.runner.generate(request.prompt_ids, params, request_id)
             first_block = None
@@ -121,6 +121,7 @@ class EngineReplica:
                     block_steps=output.block_steps,
                     replica=self.replica_id,
                     engine_s=time.monotonic() - start,
+                    logprobs=output.new_logprobs,
                 )
         except RequestError as exc:
             reason = FinishReason.ERROR.value

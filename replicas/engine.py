@@ -24,6 +24,7 @@ import torch
 from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
 from replicas.cost_model import OnlineCostModel
 from replicas.kv_cache import KVCache, PagePool
+from replicas.logprobs import TokenLogprob, record_step
 from replicas.models import load_model, load_tokenizer
 from replicas.messages import request_problem, resume_problem
 from replicas.output import OutputProcessor
@@ -252,25 +253,47 @@ class Engine:
         page_indices = torch.tensor([r.active_page_index for r in requests])
         blocks = self.rows.blocks(rows, page_indices)
         fed_masks = (blocks == self.spec.mask_token_id).any(-1)
+        asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        before = blocks[asking] if asking else None  # a copy (indexed by a list)
         done = self._run_algorithms(requests, logits, blocks)
+        if asking:
+            self._record_logprobs([requests[i] for i in asking], logits[asking], before, blocks[asking])
         if self.config.fused_commit:
             final = torch.tensor([r.algorithm.final_when_filled and r.finish_reason is None for r in requests])
             done |= final & (blocks != self.spec.mask_token_id).all(-1)
         self.rows.write_blocks(rows, page_indices, blocks)
         done = done.tolist()
-        added = {i: self.outputs.commit_block(requests[i], blocks[i, requests[i].answer_offset:].tolist())
-                 for i, d in enumerate(done) if d}
+        added = {i: self._commit(requests[i], blocks[i]) for i, d in enumerate(done) if d}
         # a block committed at the step that filled it: its cached KV is the masked one
         self.scheduler.update_from_step(done, kv_stale=fed_masks.tolist())
-        for i, (new_ids, new_text) in added.items():
+        for i, (new_ids, new_text, new_logprobs) in added.items():
             request = requests[i]
             self.totals.output_tokens += len(new_ids)
             if request.finish_reason is not None:
                 self.totals.requests_finished += 1
                 self.cost_model.observe_finished(len(request.committed_block_steps))
                 self._requests.pop(request.request_id, None)
-            request.emit(OutputProcessor.snapshot(request, new_ids, new_text))
+            request.emit(OutputProcessor.snapshot(request, new_ids, new_text, new_logprobs=new_logprobs))
         return [requests[i].block_steps for i in added]
+
+    def _commit(self, request: Request, block: torch.Tensor) -> tuple[list[int], str, list[TokenLogprob] | None]:
+        """Commit the request's done block: its new ids and text, and their log-probabilities
+        if the request asked."""
+        offset = request.answer_offset
+        new_ids, new_text = self.outputs.commit_block(request, block[offset:].tolist())
+        recorded, request.block_logprobs = request.block_logprobs, None
+        if request.params.logprobs is None:
+            return new_ids, new_text, None
+        recorded = recorded or [None] * self.block_length  # every answer position is written by some step
+        return new_ids, new_text, recorded[offset:offset + len(new_ids)]
+
+    def _record_logprobs(self, requests: list[Request], logits: torch.Tensor, before: torch.Tensor,
+                         after: torch.Tensor) -> None:
+        for request in requests:
+            if request.block_logprobs is None:
+                request.block_logprobs = [None] * self.block_length
+        record_step([r.block_logprobs for r in requests], [r.params.logprobs for r in requests], logits,
+                    before, after, self.spec.mask_token_id)
 
     def _run_algorithms(self, requests: list[Request], logits: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """One algorithm step per block, in place; [R] bool: the block is done. A failing
@@ -388,6 +411,8 @@ class Engine:
             if previous is not None:
                 output.new_token_ids = previous.new_token_ids + output.new_token_ids
                 output.new_text = previous.new_text + output.new_text
+                if output.new_logprobs is not None:
+                    output.new_logprobs = previous.new_logprobs + output.new_logprobs
             results[output.request_id] = output
 
         for prompt, p in zip(prompts, params):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from replicas.limits import length_error, pages_needed
+from replicas.logprobs import TokenLogprob
 
 if TYPE_CHECKING:
     from replicas.models.spec import ModelSpec
@@ -28,6 +29,7 @@ class GenerateRequest:
     cost: float | None = None  # row-steps charged at admission; None: the replica's worst case
     resume_ids: tuple[int, ...] = ()  # a continuation: the output committed so far (whole blocks)
     timeout_s: float | None = None  # the replica ends the request with a timeout this long after receiving it
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its k most likely alternatives
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class GenerateChunk:
     block_steps: list[int] = field(default_factory=list)  # steps of each committed block
     replica: str = ""
     engine_s: float = 0.0  # seconds since the replica received the request
+    logprobs: list[TokenLogprob | None] | None = None  # one per token id, when the request asked
 
     @classmethod
     def refusal(cls, message: str) -> "GenerateChunk":
@@ -59,8 +62,9 @@ def joined(chunks: Sequence[GenerateChunk]) -> GenerateChunk:
     for chunk in chunks:
         if chunk.error:
             return chunk
+    logprobs = None if chunks[-1].logprobs is None else [lp for c in chunks for lp in c.logprobs or ()]
     return replace(chunks[-1], text="".join(c.text for c in chunks),
-                   token_ids=[t for c in chunks for t in c.token_ids])
+                   token_ids=[t for c in chunks for t in c.token_ids], logprobs=logprobs)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 from replicas.detokenizer import Detokenizer
+from replicas.logprobs import TokenLogprob
 from replicas.request import FinishReason, Request, RequestOutput
 
 
@@ -66,7 +67,7 @@ class OutputProcessor:
 
     @staticmethod
     def snapshot(request: Request, new_ids: list[int], new_text: str, error: str | None = None,
-                 replica_fault: bool = False) -> RequestOutput:
+                 replica_fault: bool = False, new_logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,
@@ -79,4 +80,5 @@ class OutputProcessor:
             num_output_tokens=len(request.output_ids),
             num_steps=request.num_steps,
             block_steps=list(request.committed_block_steps),
+            new_logprobs=new_logprobs,
         )

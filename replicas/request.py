@@ -11,6 +11,7 @@ from typing import Any
 from algorithms import AlgorithmParams, DllmAlgorithm
 from replicas.batching import Phase
 from replicas.detokenizer import Detokenizer
+from replicas.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from replicas.limits import blocks_needed
 
 
@@ -37,6 +38,7 @@ class SamplingParams:
     # request goes on from the next block as if it had produced them itself
     resume_ids: tuple[int, ...] = ()
     timeout_s: float | None = None  # the request ends with a timeout this long after it arrived
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its step's k most likely
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -45,6 +47,8 @@ class SamplingParams:
             raise RequestError(f"timeout_s must be > 0, got {self.timeout_s}")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"logprobs must be 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
 
 @dataclass
@@ -62,6 +66,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_steps: int = 0  # forwards this request took so far
     block_steps: list[int] = field(default_factory=list)  # steps of each committed block
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token id, when the request asked
 
 
 @dataclass(eq=False)
@@ -94,6 +99,7 @@ class Request:
     # what it produced: changed by the output processor (replicas.output) and the engine
     output_ids: list[int] = field(default_factory=list)
     detokenizer: Detokenizer | None = None  # its text so far
+    block_logprobs: list[TokenLogprob | None] | None = None  # the active block's, when asked (replicas.logprobs)
     finish_reason: FinishReason | None = None
     first_block_time: float | None = None
     finish_time: float | None = None

@@ -337,7 +337,8 @@ FIELD_VALUES = {
     "user": (TEXT, st.just("u" * 257)),
     "ignore_eos": (st.booleans(), st.just("no")),
     "echo": (st.just(False), st.just(True)),
-    "logprobs": (st.none(), INTS),
+    "logprobs": (st.one_of(st.none(), st.integers(0, 20)), INTS),
+    "top_logprobs": (st.integers(0, 20), INTS),  # a chat's; it needs logprobs: true (drawn below)
     "best_of": (st.just(1), INTS),
     "algorithm": (st.sampled_from(available_algorithms()), st.sampled_from(["magic", "a" * 300])),
     "threshold": (st.floats(0, 1), FLOATS),
@@ -348,12 +349,12 @@ FIELD_VALUES = {
                   st.sampled_from([{f"p{i}": 1 for i in range(33)}, {"p" * 65: 1}]))),
     "block_length": (st.just(16), INTS),
     "mode": (st.just("fdfo"), st.sampled_from(["sync", "static", "fixed_fill", "bogus"])),
-    "frequency_penalty": (FLOATS, st.nothing()),  # unknown to us: ignored, whatever it holds
-    "logit_bias": (st.dictionaries(TEXT, INTS, max_size=2), st.nothing()),
+    "frequency_penalty": (st.just(0), FLOATS),  # cannot be honoured: only its neutral value passes
+    "logit_bias": (st.just({}), st.dictionaries(TEXT, INTS, min_size=1, max_size=2)),
 }
 REQUIRED = ("model", "max_tokens")  # and the prompt or the messages; max_tokens keeps cases short
-COMPLETION_ONLY = {"prompt", "echo", "best_of"}
-CHAT_ONLY = {"messages"}
+COMPLETION_ONLY = {"prompt", "echo", "best_of", "logprobs"}
+CHAT_ONLY = {"messages", "top_logprobs"}
 CHEAP_STEPS = 32  # over this many output tokens, a case runs the default algorithm (about 17 steps a block)
 
 

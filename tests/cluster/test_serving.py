@@ -104,6 +104,36 @@ def test_a_token_id_prompt_answers_as_its_text_does(cluster):
         assert refused.value.body["param"] == "prompt"
 
 
+def test_logprobs_as_the_openai_client_parses_them(cluster):
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    completion = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=32, logprobs=3)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == completion.usage.completion_tokens == 32
+    assert "".join(logprobs.tokens) == completion.choices[0].text  # one character per tiny token
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(32)]
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert chosen <= 0 and 1 <= len(top) <= 3 and max(top.values()) >= chosen - 1e-6
+    plain = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=32)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == completion.choices[0].text
+
+    stream = client.chat.completions.create(
+        model="tiny", max_tokens=TINY_MAX_TOKENS, stream=True, logprobs=True, top_logprobs=2,
+        stream_options={"include_usage": True}, messages=[{"role": "user", "content": SIX_PUZZLES.prompt}])
+    entries, usage = [], None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            content = chunk.choices[0].logprobs.content
+            assert "".join(e.token for e in content) == chunk.choices[0].delta.content  # each block carries its own
+            entries += content
+    assert len(entries) == usage.completion_tokens > 0
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 and bytes(e.bytes).decode() == e.token for e in entries)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model="tiny", max_tokens=8, top_logprobs=2,
+                                       messages=[{"role": "user", "content": "1.3."}])
+
+
 UNHONOURED_FIELDS = [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"), ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("suffix", "end"),
