@@ -118,6 +118,9 @@ class IngressSettings(_Section):
                                    "(400 beyond; the model's max_model_len bounds the tokens after that)")
     max_messages: int = Field(
         512, ge=1, description="most messages of one chat request (400 beyond, counted before they are parsed)")
+    max_n: int = Field(
+        8, ge=1, le=128, description="most choices (n) one request may ask for; each is a row of its own and "
+                                     "admission charges them all")
     metrics_timeout_s: float = Field(
         2.0, gt=0, description="how long the ingress waits for the metrics actor before it gives up on a call")
 

@@ -48,6 +48,7 @@ from algorithms import AlgorithmError, get_algorithm
 from cluster import protocol
 from cluster.admission import AdmissionController, Charge, Decision
 from cluster.auth import ApiKey, KeyRing, KeySlot, load_keys
+from cluster.choices import merged, rows
 from cluster.config import AppConfig
 from cluster.errors import APIError, bad_request, install_error_handlers, internal_error, validation_error
 from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
@@ -73,6 +74,11 @@ INLINE_PREPARE_CHARS = 4096  # prompts (or chats) up to this many characters are
 # when it decorates it, with the module globals defined at that moment.
 def _timeout(message: str) -> APIError:
     return APIError(504, message, type_="timeout_error", code="request_timeout")
+
+
+def _usage(answers: list[GenerateChunk]) -> dict:
+    """The usage of a request's choices: the prompt once, every choice's tokens."""
+    return protocol.usage(answers[0].prompt_tokens, sum(a.completion_tokens for a in answers))
 
 
 def _prompt_chars(body: protocol.SamplingFields) -> int:
@@ -330,40 +336,53 @@ class Ingress:
     async def _serve(self, body: protocol.SamplingFields, chat: bool, slot: KeySlot):
         # the bound for its output blocks, before the prompt is tokenized (checked there)
         blocks = math.ceil(min(max(self._max_tokens(body), 1), self.max_model_len) / self.spec.block_length)
-        self._refuse_if(self.admission.quick_refusal(blocks, body.deadline_s))
+        self._refuse_if(self.admission.quick_refusal(blocks * body.n, body.deadline_s))
         if _prompt_chars(body) <= INLINE_PREPARE_CHARS:
             job = self._prepare(body, self._prompt(body))
         else:
             job = await asyncio.get_running_loop().run_in_executor(
                 self._tokenizer_thread, lambda: self._prepare(body, self._prompt(body)))
-        decision = self.admission.try_admit(job.cost, body.deadline_s)
+        decision = self.admission.try_admit(job.cost * body.n, body.deadline_s)
         self._refuse_if(decision)
         self.admitted += 1
         failover = self.failover if body.stream else self.failover_unary
-        stream = self._charged_stream(job, failover, decision.charge, slot)
+        stream = self._charged_stream(rows(job, body.n), failover, decision.charge, slot)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(self._sse(stream, job.request_id, chat, include_usage),
                                      media_type="text/event-stream")
-        return await self._collect(stream, job.request_id, chat)
+        return await self._collect(stream, job.request_id, chat, body.n)
 
     async def _unary(self, job: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The whole answer of ``job`` from one unary replica call, as a one-chunk stream."""
         yield await self.replicas_unary.generate_unary.remote(job)
 
-    async def _charged_stream(self, job: GenerateRequest, failover: Failover, charge: Charge,
-                              slot: KeySlot) -> AsyncIterator[GenerateChunk]:
-        """The request's chunks from the replicas (resumed elsewhere if one fails),
-        releasing the admission charge as steps are taken and the key's place at the end;
-        raises APIError."""
+    async def _charged_stream(self, jobs: list[GenerateRequest], failover: Failover, charge: Charge,
+                              slot: KeySlot) -> AsyncIterator[tuple[int, GenerateChunk]]:
+        """The chunks of the request's choices from the replicas (each resumed elsewhere if
+        its replica fails), with their choice's index, releasing the admission charge as
+        steps are taken and the key's place at the end; raises APIError."""
         self.in_flight += 1
+        steps = [0] * len(jobs)
+        try:
+            async for index, chunk in merged([self._replica_stream(job, failover) for job in jobs]):
+                steps[index] = chunk.steps
+                charge.progress(sum(steps))
+                yield index, chunk
+        finally:
+            self.in_flight -= 1
+            charge.close()
+            slot.release()
+
+    @staticmethod
+    async def _replica_stream(job: GenerateRequest, failover: Failover) -> AsyncIterator[GenerateChunk]:
+        """One replica request's chunks; its failures as APIError."""
         try:
             async for chunk in failover.stream(job):
                 if chunk.error_kind == "invalid_request":
                     raise bad_request(chunk.error)
                 if chunk.error_kind == "timeout":
                     raise _timeout(chunk.error)
-                charge.progress(chunk.steps)
                 yield chunk
         except RequestTimedOut as exc:
             raise _timeout(str(exc)) from None
@@ -371,64 +390,58 @@ class Ingress:
             log.error("request %s: %s", job.request_id, exc)
             raise APIError(503, f"the replicas serving the request failed; retry (request id {job.request_id})",
                            type_="server_error", code="replica_failed", headers={"Retry-After": "1"}) from None
-        finally:
-            self.in_flight -= 1
-            charge.close()
-            slot.release()
 
     def _count_failover(self) -> None:
         self.failovers += 1
 
-    async def _collect(self, stream: AsyncIterator[GenerateChunk], request_id: str, chat: bool) -> JSONResponse:
-        chunks = []
+    async def _collect(self, stream: AsyncIterator[tuple[int, GenerateChunk]], request_id: str, chat: bool,
+                       n: int) -> JSONResponse:
+        chunks: list[list[GenerateChunk]] = [[] for _ in range(n)]
         try:
-            async for chunk in stream:
-                chunks.append(chunk)
+            async for index, chunk in stream:
+                chunks[index].append(chunk)
         except APIError:
             raise
         except Exception:
             log.exception("request %s failed", request_id)
             raise internal_error(request_id) from None
-        whole = joined(chunks) if chunks else None
-        if whole is None or whole.error:
-            log.error("request %s failed: %s", request_id, whole.error if whole else "no output from the replica")
+        answers = [joined(c) if c else None for c in chunks]
+        failed = next((a for a in answers if a is None or a.error), False)
+        if failed is not False:
+            log.error("request %s failed: %s", request_id, failed.error if failed else "no output from the replica")
             raise internal_error(request_id)
-        usage = protocol.usage(whole.prompt_tokens, whole.completion_tokens)
         build = protocol.chat_body if chat else protocol.completion_body
-        return JSONResponse(build(request_id, self.config.model_name, whole.text, whole.finish_reason,
-                                  chunk=False, usage_=usage, extra={"dllm": self._dllm_info(whole)},
-                                  logprobs=self._logprobs(whole, chat, 0)))
+        choices = [protocol.Choice(i, a.text, a.finish_reason, self._logprobs(a, chat, 0)) for i, a in enumerate(answers)]
+        return JSONResponse(build(request_id, self.config.model_name, choices, chunk=False,
+                                  usage_=_usage(answers), extra={"dllm": self._dllm_info(*answers)}))
 
-    async def _sse(self, stream: AsyncIterator[GenerateChunk], request_id: str, chat: bool,
+    async def _sse(self, stream: AsyncIterator[tuple[int, GenerateChunk]], request_id: str, chat: bool,
                    include_usage: bool) -> AsyncIterator[str]:
-        """One event per committed block, then ``data: [DONE]``."""
+        """One event per committed block of each choice, then ``data: [DONE]``."""
         model = self.config.model_name
         build = protocol.chat_body if chat else protocol.completion_body
-        first, last, text_offset = True, None, 0
+        last: dict[int, GenerateChunk] = {}  # each choice's
+        text_offsets: dict[int, int] = {}
         try:
-            async for chunk in stream:
-                last = chunk
+            async for index, chunk in stream:
                 if chunk.error:
                     log.error("request %s failed: %s", request_id, chunk.error)
                     yield protocol.sse_event(internal_error(request_id).body())
                     break
-                extra = {"dllm": self._dllm_info(chunk)}
-                kwargs = {"first": first} if chat else {}
-                logprobs = self._logprobs(chunk, chat, text_offset)
+                logprobs = self._logprobs(chunk, chat, text_offsets.get(index, 0))
                 if logprobs is not None and not chat:
-                    text_offset += sum(len(token) for token in logprobs["tokens"])
-                yield protocol.sse_event(build(request_id, model, chunk.text, chunk.finish_reason, chunk=True,
-                                               extra=extra, logprobs=logprobs, **kwargs))
-                first = False
+                    text_offsets[index] = text_offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
+                choice = protocol.Choice(index, chunk.text, chunk.finish_reason, logprobs, first=index not in last)
+                last[index] = chunk
+                yield protocol.sse_event(build(request_id, model, [choice], chunk=True,
+                                               extra={"dllm": self._dllm_info(chunk)}))
         except APIError as exc:
             yield protocol.sse_event(exc.body())
         except Exception:
             log.exception("request %s failed", request_id)
             yield protocol.sse_event(internal_error(request_id).body())
-        if include_usage and last is not None and not last.error:
-            usage = protocol.usage(last.prompt_tokens, last.completion_tokens)
-            body = build(request_id, model, "", None, chunk=True, usage_=usage)
-            body["choices"] = []
+        if include_usage and last and not any(c.error for c in last.values()):
+            body = build(request_id, model, [], chunk=True, usage_=_usage(list(last.values())))
             yield protocol.sse_event(body)
         yield "data: [DONE]\n\n"
 
@@ -443,9 +456,15 @@ class Ingress:
         return protocol.chat_logprobs(entries) if chat else protocol.completion_logprobs(entries, text_offset)
 
     @staticmethod
-    def _dllm_info(chunk: GenerateChunk) -> dict:
-        return {"steps": chunk.steps, "block_steps": chunk.block_steps, "replica": chunk.replica,
-                "engine_s": chunk.engine_s}
+    def _dllm_info(*chunks: GenerateChunk) -> dict:
+        """The first choice's steps, replica and engine time; with several choices, each
+        choice's under ``choices``."""
+        def info(chunk: GenerateChunk) -> dict:
+            return {"steps": chunk.steps, "block_steps": chunk.block_steps, "replica": chunk.replica,
+                    "engine_s": chunk.engine_s}
+
+        first = info(chunks[0])
+        return first if len(chunks) == 1 else {**first, "choices": [info(c) for c in chunks]}
 
     # ---- cluster view and metrics -----------------------------------------------------------
     def _metrics_actor(self):

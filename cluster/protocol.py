@@ -43,10 +43,11 @@ class RequestLimits:
 
     max_prompt_chars: int = 1 << 18  # a completion's prompt, and all the messages of a chat together
     max_messages: int = 512
+    max_n: int = 8  # choices of one request
 
     @classmethod
     def of(cls, settings: Any) -> RequestLimits:
-        return cls(settings.max_prompt_chars, settings.max_messages)
+        return cls(settings.max_prompt_chars, settings.max_messages, settings.max_n)
 
 
 def _limits(info: ValidationInfo) -> RequestLimits:
@@ -149,9 +150,10 @@ class SamplingFields(DllmExtensions):
 
     @field_validator("n")
     @classmethod
-    def _single_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
+    def _few_choices(cls, n: int, info: ValidationInfo) -> int:
+        limit = _limits(info).max_n
+        if not 1 <= n <= limit:
+            raise ValueError(f"n must be 1 to {limit} on this server")
         return n
 
     @field_validator("stop")
@@ -286,12 +288,23 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(request_id: str, model: str, text: str, finish_reason: str | None,
-                    chunk: bool, usage_: dict | None = None, extra: dict | None = None,
-                    logprobs: dict | None = None) -> dict:
+@dataclass(frozen=True)
+class Choice:
+    """One choice of an answer, or what a streamed event carries of one."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: dict | None = None
+    first: bool = False  # a chat stream's first event of this choice: its delta names the role
+
+
+def completion_body(request_id: str, model: str, choices: list[Choice], chunk: bool,
+                    usage_: dict | None = None, extra: dict | None = None) -> dict:
     body = {
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+                    for c in choices],
     }
     if usage_ is not None or not chunk:
         body["usage"] = usage_
@@ -300,23 +313,19 @@ def completion_body(request_id: str, model: str, text: str, finish_reason: str |
     return body
 
 
-def chat_body(request_id: str, model: str, text: str, finish_reason: str | None,
-              chunk: bool, first: bool = False, usage_: dict | None = None, extra: dict | None = None,
-              logprobs: dict | None = None) -> dict:
+def chat_body(request_id: str, model: str, choices: list[Choice], chunk: bool,
+              usage_: dict | None = None, extra: dict | None = None) -> dict:
     if chunk:
-        delta = {"content": text}
-        if first:
-            delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        body = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": model, "choices": [choice]}
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                "choices": [{"index": c.index, "delta": {**({"role": "assistant"} if c.first else {}), "content": c.text},
+                             "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in choices]}
         if usage_ is not None:
             body["usage"] = usage_
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
-        body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": model, "choices": [choice], "usage": usage_}
+        body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in choices],
+                "usage": usage_}
     if extra:
         body.update(extra)
     return body

@@ -134,6 +134,30 @@ def test_logprobs_as_the_openai_client_parses_them(cluster):
                                        messages=[{"role": "user", "content": "1.3."}])
 
 
+def test_n_choices_stream_with_their_indices(cluster):
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    sampled = {"temperature": 5.0}  # far from the model's certainty: rows that sample differ
+    texts = {}
+    stream = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=32, n=3, seed=7,
+                                       stream=True, stream_options={"include_usage": True}, extra_body=sampled)
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) > 1
+    assert usage.completion_tokens == 3 * 32 and usage.prompt_tokens == 112
+    again = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=32, n=3, seed=7,
+                                      extra_body=sampled)
+    assert {c.index: c.text for c in again.choices} == texts  # seeded: the same three answers, whole or streamed
+    chat = client.chat.completions.create(model="tiny", max_tokens=16, n=2, messages=[
+        {"role": "user", "content": SIX_PUZZLES.prompt}])
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 2 * 16
+    with pytest.raises(openai.BadRequestError, match="n must be 1 to 8") as refused:
+        client.completions.create(model="tiny", prompt="1.3.", max_tokens=8, n=9)
+    assert refused.value.body["param"] == "n"
+
+
 UNHONOURED_FIELDS = [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"), ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("suffix", "end"),
@@ -213,7 +237,7 @@ BAD_INPUTS = [
     ("unknown algorithm parameter", "/v1/completions", {"model": "tiny", "prompt": "1", "algorithm_params": {"x": 1}}, 400, "invalid_request_error"),
     ("block length the model lacks", "/v1/completions", {"model": "tiny", "prompt": "1", "block_length": 32}, 400, "invalid_request_error"),
     ("mode the replicas do not run", "/v1/completions", {"model": "tiny", "prompt": "1", "mode": "sync"}, 400, "invalid_request_error"),
-    ("several choices", "/v1/completions", {"model": "tiny", "prompt": "1", "n": 3}, 400, "invalid_request_error"),
+    ("too many choices", "/v1/completions", {"model": "tiny", "prompt": "1", "n": 9}, 400, "invalid_request_error"),
     ("empty prompt", "/v1/completions", {"model": "tiny", "prompt": ""}, 400, "invalid_request_error"),
     ("empty messages", "/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "invalid_request_error"),
     ("message without content", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, "invalid_request_error"),
