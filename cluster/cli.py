@@ -514,9 +514,11 @@ def build_parser() -> argparse.ArgumentParser:
     canvas.set_defaults(func=cmd_bench)
 
     from loadgen.capacity.cli import add_bench_calibration_parser, add_calibrate_parser, add_simulate_parser
+    from loadgen.detokenize_bench import add_bench_detokenize_parser
     from loadgen.overload import add_bench_overload_parser
 
     add_bench_calibration_parser(targets)
+    add_bench_detokenize_parser(targets)
     add_bench_overload_parser(targets)
     add_calibrate_parser(commands)
     add_simulate_parser(commands)

@@ -6,29 +6,16 @@ from functools import lru_cache
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
+from loadgen.detokenize_bench import byte_level_bpe as train_byte_level_bpe
 from replicas.detokenizer import CONTEXT_TOKENS, Detokenizer, held_suffix
 from replicas.output import OutputProcessor, text_decoder
 from replicas.request import FinishReason, Request, SamplingParams
 
-CORPUS = ["Hello, world! It's a test .", "ünïcödé text, don't split ; ok ?", "数字 12 345 和 空格 的 文本",
-          "日本語のテキストです。", "emoji 🙂🎉👍🏽 and € £ ¥", "שלום עולם مرحبا بالعالم", "e\u0301 a\u0308 n\u0303"] * 20
-
 
 @lru_cache(maxsize=2)
-def byte_level_bpe(clean_up: bool = False) -> PreTrainedTokenizerFast:
-    """A small byte-level BPE (the GPT-2 / Qwen kind) trained here on mixed scripts, so that
-    its tokens split characters' UTF-8 bytes every which way."""
-    model = Tokenizer(models.BPE())
-    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    model.decoder = decoders.ByteLevel()
-    model.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|mask|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=model, eos_token="<|endoftext|>", mask_token="<|mask|>",
-                                   clean_up_tokenization_spaces=clean_up)
+def byte_level_bpe(clean_up: bool = False):
+    return train_byte_level_bpe(clean_up)
 
 
 def encode(tokenizer, text):
@@ -157,8 +144,8 @@ def test_held_suffix():
 
 @pytest.mark.parametrize("length", [256, 4096])
 def test_a_block_costs_the_same_late_in_a_long_answer(length, record_property):
-    """Per-block decode time does not grow with the answer (the micro-benchmark is
-    ``dllm-serve bench detokenize``; here only that the window stays small)."""
+    """Per-block decode work does not grow with the answer: the window stays small (the
+    time is ``dllm-serve bench detokenize``'s to show)."""
     tokenizer = byte_level_bpe()
     decoded = []
     detokenizer = Detokenizer(lambda ids: decoded.append(len(ids)) or tokenizer.decode(ids), ())
