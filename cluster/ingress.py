@@ -55,7 +55,7 @@ from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from cluster.request_path import path_in_this_process
 from replicas.limits import max_request_cost
-from replicas.messages import GenerateChunk, GenerateRequest, joined, request_problem
+from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
 from replicas.settings import blocks_aligned, resolve_algorithm
 
@@ -282,7 +282,8 @@ class Ingress:
         if max_tokens > self.max_model_len:
             raise bad_request(f"max_tokens {max_tokens} is over this model's limit of {self.max_model_len}",
                               param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
-        problem = request_problem(prompt_ids, max_tokens, self.spec, self.max_model_len)
+        suffix_ids = self._suffix_ids(body)
+        problem = request_problem(prompt_ids, max_tokens, self.spec, self.max_model_len, suffix_ids=suffix_ids)
         if problem is not None:
             chat = isinstance(body, protocol.ChatCompletionRequest)
             raise bad_request(problem.message, param="messages" if chat and problem.too_long else "prompt",
@@ -304,7 +305,19 @@ class Ingress:
             cost=self.admission.cost(head + max_tokens, block, worst, max_request_cost(self.max_model_len, block)),
             timeout_s=min((t for t in (self.config.request_timeout_s, body.deadline_s) if t is not None), default=None),
             logprobs=body.logprobs_asked,
+            suffix_ids=suffix_ids,
         )
+
+    def _suffix_ids(self, body: protocol.SamplingFields) -> tuple[int, ...]:
+        """A completion's suffix (infilling), tokenized; 400 where the replicas cannot infill."""
+        suffix = getattr(body, "suffix", None)
+        if not suffix:
+            return ()
+        canvas = self.config.replica.canvas or (self.spec.canvas if self.spec.bidirectional else "block")
+        if canvas != "full":
+            raise bad_request(f"{INFILL_NEEDS}; this model is {'bidirectional on the block canvas' if self.spec.bidirectional else 'block-causal'}",
+                              param="suffix")
+        return tuple(self.tokenizer(suffix, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     def _algorithm(self, body: protocol.SamplingFields) -> tuple[str, dict]:
         """The request's algorithm and parameters: its sampling fields and algorithm_params

@@ -104,7 +104,6 @@ UNHONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "modalities": (lambda v: v in (None, ["text"]), "only the text modality is supported"),
     "prediction": (lambda v: v is None, "predicted outputs are not supported"),
     "web_search_options": (lambda v: v is None, "web search is not supported"),
-    "suffix": (lambda v: v in (None, ""), "infilling with a suffix is not supported yet"),
 }
 
 
@@ -124,7 +123,6 @@ class SamplingFields(DllmExtensions):
     modalities: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    suffix: Any = None
 
     model: str = Field(max_length=MAX_NAME_CHARS)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT, description="output token limit (default: the server's)")
@@ -185,6 +183,8 @@ class CompletionRequest(SamplingFields):
     """``prompt``: text, or token ids (``[int, ...]``); a list of one of either is that one."""
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    suffix: str | None = Field(None, description="infilling: text after the answer, which the model fills in "
+                                                 "before it (bidirectional models on the full canvas)")
     echo: StrictBool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="each token's log-probability and this many alternatives")
@@ -209,6 +209,14 @@ class CompletionRequest(SamplingFields):
     @property
     def logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix_within_the_limit(cls, suffix, info: ValidationInfo):
+        limit = _limits(info).max_prompt_chars
+        if suffix is not None and len(suffix) > limit:
+            raise ValueError(f"the suffix has {len(suffix)} characters; this server takes at most {limit}")
+        return suffix
 
     @field_validator("echo", "best_of")
     @classmethod

@@ -90,7 +90,8 @@ class EngineReplica:
             params = SamplingParams(
                 max_tokens=request.max_tokens, stop=tuple(request.stop), algorithm=request.algorithm,
                 algorithm_params=request.algorithm_params, ignore_eos=request.ignore_eos,
-                resume_ids=tuple(request.resume_ids), timeout_s=request.timeout_s, logprobs=request.logprobs)
+                resume_ids=tuple(request.resume_ids), timeout_s=request.timeout_s, logprobs=request.logprobs,
+                suffix_ids=tuple(request.suffix_ids))
             cost = request.cost if request.cost is not None else self.worst_case_cost(request.prompt_ids, params)
             stream = self.runner.generate(request.prompt_ids, params, request_id)
             first_block = None

@@ -26,7 +26,7 @@ from replicas.cost_model import OnlineCostModel
 from replicas.kv_cache import KVCache, PagePool
 from replicas.logprobs import TokenLogprob, record_step
 from replicas.models import load_model, load_tokenizer
-from replicas.messages import request_problem, resume_problem
+from replicas.messages import INFILL_NEEDS, request_problem, resume_problem
 from replicas.output import OutputProcessor
 from replicas.batch import ScheduledBatch
 from replicas.batching import SchedulerMode
@@ -132,9 +132,12 @@ class Engine:
         """Validate and build a request (raises RequestError); does not enqueue it."""
         params = params or SamplingParams()
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        problem = request_problem(prompt_ids, params.max_tokens, self.spec, self.max_model_len, self.pool.capacity)
+        problem = request_problem(prompt_ids, params.max_tokens, self.spec, self.max_model_len, self.pool.capacity,
+                                  params.suffix_ids)
         if problem:
             raise RequestError(problem.message)
+        if params.suffix_ids and self.canvas != "full":
+            raise RequestError(INFILL_NEEDS)
         resume_error = resume_problem(params.resume_ids, params.max_tokens, self.spec,
                                       len(prompt_ids) if self.aligned else 0)
         if resume_error:

@@ -15,16 +15,20 @@ def blocks_needed(max_tokens: int, block_length: int) -> int:
     return -(-max_tokens // block_length)
 
 
-def pages_needed(prompt_tokens: int, max_tokens: int, block_length: int) -> int:
-    """KV pages a request can occupy: its prompt pages plus one per possible output block."""
-    return -(-prompt_tokens // block_length) + blocks_needed(max_tokens, block_length)
+def pages_needed(prompt_tokens: int, max_tokens: int, block_length: int, suffix_tokens: int = 0) -> int:
+    """KV pages a request can occupy: its prompt pages, one per possible output block, and
+    its suffix's (an infill's text after the answer)."""
+    return (-(-prompt_tokens // block_length) + blocks_needed(max_tokens, block_length)
+            + -(-suffix_tokens // block_length))
 
 
-def length_error(prompt_tokens: int, max_tokens: int, block_length: int, max_model_len: int) -> str | None:
+def length_error(prompt_tokens: int, max_tokens: int, block_length: int, max_model_len: int,
+                 suffix_tokens: int = 0) -> str | None:
     """Why the request is too long for ``max_model_len`` positions, or None if it fits."""
-    needed = pages_needed(prompt_tokens, max_tokens, block_length) * block_length
+    needed = pages_needed(prompt_tokens, max_tokens, block_length, suffix_tokens) * block_length
     if needed > max_model_len // block_length * block_length:
-        return (f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs {needed} positions "
+        suffix = f" and the suffix ({suffix_tokens} tokens)" if suffix_tokens else ""
+        return (f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}){suffix} needs {needed} positions "
                 f"in blocks of {block_length}; this model serves at most {max_model_len}")
     return None
 

@@ -30,6 +30,7 @@ class GenerateRequest:
     resume_ids: tuple[int, ...] = ()  # a continuation: the output committed so far (whole blocks)
     timeout_s: float | None = None  # the replica ends the request with a timeout this long after receiving it
     logprobs: int | None = None  # None: none; k: each token's log-probability and its k most likely alternatives
+    suffix_ids: tuple[int, ...] = ()  # infilling: fixed after the answer's blocks (full canvas only)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,10 @@ def joined(chunks: Sequence[GenerateChunk]) -> GenerateChunk:
                    token_ids=[t for c in chunks for t in c.token_ids], logprobs=logprobs)
 
 
+INFILL_NEEDS = ("a suffix (infilling) needs a bidirectional model on the full canvas (replica.canvas 'full', "
+                "LLaDA's and Dream's default): the answer's blocks must attend to the text after them")
+
+
 @dataclass(frozen=True)
 class RequestProblem:
     """Why a tokenized request cannot run; ``too_long``: it does not fit the context."""
@@ -76,19 +81,21 @@ class RequestProblem:
 
 
 def request_problem(prompt_ids: Sequence[int], max_tokens: int, spec: ModelSpec, max_model_len: int,
-                    pool_pages: int | None = None) -> RequestProblem | None:
-    """The first problem of a prompt and output limit for this model, or None. ``pool_pages``:
-    the KV pages of the replica's pool, where known."""
+                    pool_pages: int | None = None, suffix_ids: Sequence[int] = ()) -> RequestProblem | None:
+    """The first problem of a prompt, output limit and suffix (infilling) for this model, or
+    None. ``pool_pages``: the KV pages of the replica's pool, where known."""
     if not prompt_ids:
         return RequestProblem("the prompt is empty")
     if any(not 0 <= t < spec.vocab_size for t in prompt_ids):
         return RequestProblem("the prompt has token ids outside the vocabulary")
     if spec.mask_token_id in prompt_ids:
         return RequestProblem("the prompt contains the mask token id")
-    too_long = length_error(len(prompt_ids), max_tokens, spec.block_length, max_model_len)
+    if any(not 0 <= t < spec.vocab_size for t in suffix_ids) or spec.mask_token_id in suffix_ids:
+        return RequestProblem("the suffix has token ids outside the vocabulary or the mask token id")
+    too_long = length_error(len(prompt_ids), max_tokens, spec.block_length, max_model_len, len(suffix_ids))
     if too_long:
         return RequestProblem(too_long, too_long=True)
-    needed = pages_needed(len(prompt_ids), max_tokens, spec.block_length)
+    needed = pages_needed(len(prompt_ids), max_tokens, spec.block_length, len(suffix_ids))
     if pool_pages is not None and needed > pool_pages:
         return RequestProblem(f"the request needs {needed} KV pages; the pool has {pool_pages}")
     return None

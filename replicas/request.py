@@ -39,6 +39,9 @@ class SamplingParams:
     resume_ids: tuple[int, ...] = ()
     timeout_s: float | None = None  # the request ends with a timeout this long after it arrived
     logprobs: int | None = None  # None: none; k: each token's log-probability and its step's k most likely
+    # infilling: tokens fixed on the canvas after the answer's blocks, which the model fills
+    # in between (a bidirectional model on the full canvas only)
+    suffix_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -159,6 +162,10 @@ class Request:
         if not self.aligned and page_index == self.prompt_pages - 1:
             return len(self.prompt_ids) - page_index * self.block_length
         return self.block_length
+
+    @cached_property
+    def suffix_pages(self) -> int:
+        return -(-len(self.params.suffix_ids) // self.block_length)
 
     @cached_property
     def max_blocks(self) -> int:

@@ -2,9 +2,10 @@
 
 Each admitted request gets a row. Its row of ``tokens`` is its whole paged sequence
 (prompt pages, committed blocks, the active block; with the full canvas also the
-masks of every later block) by page index, and its row of ``page_table`` maps its page
-indices to pool pages. ``last_page`` is the highest page index the row's tokens attend to
-with the full canvas (its last block's). The runner gathers step inputs from
+masks of every later block, then an infill's suffix) by page index, and its row of
+``page_table`` maps its page indices to pool pages. ``last_page`` is the highest page index
+the row's tokens attend to with the full canvas (its last block's, or its suffix's last),
+and ``last_tail`` the tokens on it. The runner gathers step inputs from
 these with a few vectorized index operations instead of rebuilding Python lists every step.
 """
 
@@ -25,6 +26,7 @@ class RowTable:
         self.prompt_pages = torch.ones(num_rows, dtype=torch.long)
         self.prompt_tail = torch.full((num_rows,), page_size, dtype=torch.long)
         self.last_page = torch.zeros(num_rows, dtype=torch.long)
+        self.last_tail = torch.full((num_rows,), page_size, dtype=torch.long)
         self._free = list(range(num_rows - 1, -1, -1))
 
     @property
@@ -64,12 +66,21 @@ class RowTable:
         kept = torch.arange(self.page_size) < torch.tensor(keep)[:, None]
         self.tokens[index] = torch.where(kept, self.tokens[index], mask_id)
 
-    def lay_canvas(self, row: int, first_page_index: int, pages: list[int], mask_id: int) -> None:
-        """The full canvas: masked blocks on ``pages`` from ``first_page_index`` on."""
+    def lay_canvas(self, row: int, first_page_index: int, pages: list[int], mask_id: int,
+                   suffix_ids: Sequence[int] = ()) -> None:
+        """The full canvas: masked blocks on ``pages`` from ``first_page_index`` on, and on
+        the last of them ``suffix_ids`` (an infill's text after the answer; its last page
+        may be partial)."""
         end = first_page_index + len(pages)
         self.page_table[row, first_page_index:end] = torch.tensor(pages, dtype=torch.long)
         self.tokens[row, first_page_index:end] = mask_id
         self.last_page[row] = end - 1
+        self.last_tail[row] = self.page_size
+        if suffix_ids:
+            suffix_pages = -(-len(suffix_ids) // self.page_size)
+            flat = self.tokens[row, end - suffix_pages:end].view(-1)
+            flat[:len(suffix_ids)] = torch.tensor(suffix_ids, dtype=torch.long)
+            self.last_tail[row] = len(suffix_ids) - (suffix_pages - 1) * self.page_size
 
     def release(self, row: int) -> None:
         self._free.append(row)

@@ -101,6 +101,8 @@ class ModelRunner:
         row = batch.unit_row[source]
         page_count = torch.where(new_page_index == self.rows.prompt_pages[row] - 1,
                                  self.rows.prompt_tail[row], self.block_length)
+        if self.full_canvas:  # an infill's suffix may end inside its last page
+            page_count = torch.where(new_page_index == self.rows.last_page[row], self.rows.last_tail[row], page_count)
         new_count = torch.where(own, count[source], page_count)
         return row, new_page_index, new_count, is_block[source] & own, scratch[source] & own
 
@@ -139,6 +141,8 @@ class ModelRunner:
         key_offset = offsets.repeat(key_pages)
         key_valid = (key_page_index <= sees[:, None]) & (
             (key_page_index != prompt_pages[:, None] - 1) | (key_offset < prompt_tail[:, None]))
+        if self.full_canvas:
+            key_valid &= (key_page_index != sees[:, None]) | (key_offset < rows.last_tail[unit_row][:, None])
 
         logits_index = unit_start[:-1][unit_is_block][:, None] + offsets  # [R, L]
         if self.shift_logits:  # position i reads the output at i - 1; the first, the token before

@@ -153,7 +153,7 @@ class Scheduler:
             return
         while self.waiting and len(self.running) < self.max_batch and self.rows.num_free:
             request = self.waiting[0]
-            if not self.pool.reserve(request.prefix_pages + request.blocks_to_denoise):
+            if not self.pool.reserve(request.prefix_pages + request.blocks_to_denoise + request.suffix_pages):
                 break  # FIFO: the head waits for pages, nobody overtakes it
             self.waiting.popleft()
             request.block_index = request.first_block_index
@@ -161,9 +161,9 @@ class Scheduler:
             request.pages = [self.pool.take() for _ in range(request.prefix_pages)]
             request.row = self.rows.acquire(request.prompt_ids, request.pages, request.params.resume_ids,
                                             request.aligned)
-            if self.full_canvas:
-                canvas = [self.pool.take() for _ in range(request.reserved_pages)]
-                self.rows.lay_canvas(request.row, request.prefix_pages, canvas, self.mask_id)
+            if self.full_canvas:  # every block's page, and a suffix's after them
+                canvas = [self.pool.take() for _ in range(request.reserved_pages + request.suffix_pages)]
+                self.rows.lay_canvas(request.row, request.prefix_pages, canvas, self.mask_id, request.params.suffix_ids)
                 request.pages += canvas
                 request.reserved_pages = 0
             request.phase = Phase.PREFILL

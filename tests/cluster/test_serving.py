@@ -160,7 +160,7 @@ def test_n_choices_stream_with_their_indices(cluster):
 
 UNHONOURED_FIELDS = [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"), ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("suffix", "end"),
+    ("tool_choice", "auto"), ("logit_bias", {"5": 10}), ("presence_penalty", 0.5),
 ]
 
 
@@ -171,6 +171,13 @@ def test_a_field_this_server_cannot_honour_is_refused_by_name(cluster, field, va
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field and error["message"].startswith(f"{field}: ") and "not supported" in error["message"]
+
+
+def test_a_suffix_on_a_model_that_cannot_infill_is_refused_with_the_reason(cluster):
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="needs a bidirectional model on the full canvas") as refused:
+        client.completions.create(model="tiny", prompt="1.3.", suffix="4...", max_tokens=16)
+    assert refused.value.body["param"] == "suffix"
 
 
 def test_neutral_values_and_unknown_fields_are_accepted(cluster):

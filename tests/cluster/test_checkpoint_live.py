@@ -1,0 +1,38 @@
+"""`dllm-serve up --model DIR` serving a checkpoint directory (a random LLaDA, built here),
+over HTTP with the openai client: infilling with ``suffix``."""
+
+import openai
+import pytest
+
+from live_up import start_cluster, stop_cluster
+from replicas.engine import Engine, EngineConfig
+from replicas.request import SamplingParams
+from tests.replicas.models.checkpoint_builders import write_checkpoint
+
+REPLICA = {"max_batch": 2, "torch_threads": 1}
+
+
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("llada"), "LLaDAModelLM")
+    running = start_cluster(tmp_path_factory.mktemp("llada-up"), {"model": str(path), "replica": REPLICA})
+    yield path, running
+    stop_cluster(running.process)
+
+
+def test_a_suffix_is_filled_in_before(llada):
+    path, running = llada
+    client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    asked = {"model": model, "prompt": "def add(a, b):\n", "max_tokens": 32, "temperature": 0,
+             "extra_body": {"ignore_eos": True}}
+    infill = client.completions.create(suffix="\nprint(add(1, 2))", **asked)
+    plain = client.completions.create(**asked)
+    assert infill.choices[0].finish_reason == "length" and infill.usage.completion_tokens == 32
+    assert infill.choices[0].text != plain.choices[0].text  # what comes after shapes the answer
+
+    engine = Engine.from_pretrained(str(path), EngineConfig(**{k: v for k, v in REPLICA.items() if k != "torch_threads"}))
+    suffix_ids = tuple(engine.encode("\nprint(add(1, 2))"))
+    [offline] = engine.generate([asked["prompt"]], SamplingParams(
+        max_tokens=32, ignore_eos=True, suffix_ids=suffix_ids, algorithm_params={"temperature": 0.0}))
+    assert infill.choices[0].text == offline.new_text  # the engine's infill, which the suffix's tokens end
