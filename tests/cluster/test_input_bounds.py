@@ -87,7 +87,8 @@ OUT_OF_BOUNDS = [
     ("block_length 0", completion(block_length=0), "block_length"),
     ("block_length not the model's", completion(block_length=32), "block_length"),
     ("mode not the replicas'", completion(mode="sync"), "mode"),
-    ("n 2", completion(n=2), "n"),
+    ("n 9", completion(n=9), "n"),
+    ("n 0", completion(n=0), "n"),
     ("too many messages", chat([{"role": "user", "content": "1"}] * 513), "messages"),
     ("messages too long together", chat([{"role": "user", "content": "1" * (MAX_PROMPT_CHARS // 2)}] * 2
                                         + [{"role": "user", "content": "1"}]), "messages"),
@@ -333,7 +334,7 @@ FIELD_VALUES = {
     "stream": (st.booleans(), st.sampled_from(["yes", 1])),
     "stream_options": (st.fixed_dictionaries({"include_usage": st.booleans()}),
                        st.sampled_from([{f"o{i}": 1 for i in range(9)}, {"include_usage": "yes"}])),
-    "n": (st.just(1), INTS),
+    "n": (st.integers(1, 2), INTS),
     "user": (TEXT, st.just("u" * 257)),
     "ignore_eos": (st.booleans(), st.just("no")),
     "echo": (st.just(False), st.just(True)),
