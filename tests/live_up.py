@@ -28,6 +28,7 @@ class Cluster:
     model: str
     process: subprocess.Popen
     log_path: str
+    api_key: str | None = None  # one of its keys, when it has any
 
     def metrics_text(self) -> str:
         return httpx.get(self.metrics_url, timeout=10).text
@@ -57,8 +58,9 @@ def start_cluster(tmp_path, settings: dict, timeout_s: float = 180, api_keys: st
     else:
         stop_cluster(process)
         raise RuntimeError(f"dllm-serve up did not become ready:\n{open(log_path).read()}")
+    key = api_keys.split(",")[0].split()[0] if api_keys else None
     return Cluster(f"http://127.0.0.1:{config['port']}", f"http://127.0.0.1:{config['metrics_port']}/metrics",
-                   "tiny", process, log_path)
+                   "tiny", process, log_path, key)
 
 
 def stop_cluster(process: subprocess.Popen) -> None:

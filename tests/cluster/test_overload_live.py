@@ -28,8 +28,8 @@ import live_up as helpers
 pytestmark = pytest.mark.timeout(1800)  # two clusters started, loaded and stopped by the first test
 
 SLO_S, STATS_PERIOD_S = 5.0, 0.25
-CLOSED_CLIENTS, CLOSED_S = 12, 5.0
-OVERLOAD, OVERLOAD_S = 3.0, 10.0
+CLOSED_CLIENTS, CLOSED_S = 12, 4.0
+OVERLOAD, OVERLOAD_S = 3.0, 7.0
 SCRAPE_PERIOD_S = 0.2
 IDLE_TIMEOUT_S = 120.0
 
