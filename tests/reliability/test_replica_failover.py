@@ -37,7 +37,8 @@ async def _streams(cluster, on_chunk=None) -> list[dict]:
 @pytest.fixture(scope="module")
 def fault_free(cluster) -> list[str]:
     results = run(_streams(cluster))
-    assert all(r["status"] == 200 and r["error"] is None and r["finish_reason"] == "length" for r in results)
+    assert all(r["status"] == 200 and r["error"] is None and r["finish_reason"] == "length" for r in results), \
+        [r for r in results if r["status"] != 200 or r["error"] is not None or r["finish_reason"] != "length"]
     return [r["text"] for r in results]
 
 
