@@ -18,7 +18,6 @@ from typing import Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel
 
-from algorithms import available_algorithms
 from replicas.batching import MODES
 from replicas.settings import EngineConfig
 
@@ -376,12 +375,11 @@ def cmd_render(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dllm-serve",
-        description="Serve masked diffusion language models with a block-granular FDFO engine.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_engine_commands(commands) -> None:
+    """generate, train-tiny, eval-tiny, up, status and render: the commands that run (or
+    render) the engine."""
+    from algorithms import available_algorithms
+
     algorithm_choices = {"algorithm": available_algorithms()}
 
     gen = commands.add_parser("generate", help="generate offline with the engine (no cluster)")
@@ -475,8 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
              "RayService's pods (GCS, Ray client and dashboard stay inside, the operator excepted)")
     render.set_defaults(func=cmd_render)
 
-    bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    targets = bench.add_subparsers(dest="target", required=True)
+
+def _add_engine_benches(targets) -> None:
+    """bench engine, policies and canvas: benchmarks of the engine itself."""
     engine = targets.add_parser("engine", help="fdfo vs sync vs static tokens/s on one closed workload")
     engine.add_argument("--requests", type=int, default=256, help="requests (default 256)")
     engine.add_argument("--rounds", type=int, default=3,
@@ -513,33 +512,63 @@ def build_parser() -> argparse.ArgumentParser:
     canvas.add_argument("--json", action="store_true", help="one JSON object on one line")
     canvas.set_defaults(func=cmd_bench)
 
+
+def build_parser(client_only: bool = False) -> argparse.ArgumentParser:
+    """The whole CLI; ``client_only``: only what a client machine runs (load, calibration of a
+    running server, simulation), whose parser and modules import neither torch nor the engine."""
+    parser = argparse.ArgumentParser(
+        prog="dllm-serve",
+        description="Serve masked diffusion language models with a block-granular FDFO engine.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+    if not client_only:
+        _add_engine_commands(commands)
+    bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side")
+    targets = bench.add_subparsers(dest="target", required=True)
     from loadgen.capacity.cli import add_bench_calibration_parser, add_calibrate_parser, add_simulate_parser
+    from loadgen.cli import add_loadgen_parser
     from loadgen.detokenize_bench import add_bench_detokenize_parser
     from loadgen.overload import add_bench_overload_parser
 
+    if not client_only:
+        _add_engine_benches(targets)
+        add_bench_detokenize_parser(targets)
     add_bench_calibration_parser(targets)
-    add_bench_detokenize_parser(targets)
     add_bench_overload_parser(targets)
     add_calibrate_parser(commands)
     add_simulate_parser(commands)
-
-    from loadgen.cli import add_loadgen_parser
-
     add_loadgen_parser(commands).set_defaults(func=cmd_loadgen)
     return parser
 
 
+CLIENT_COMMANDS = ("loadgen", "calibrate", "simulate")
+CLIENT_BENCHES = ("overload", "calibration")
+
+
+def is_client_command(argv: list[str]) -> bool:
+    """Whether ``argv`` runs a client machine's command (``CLIENT_COMMANDS``, ``bench`` of
+    ``CLIENT_BENCHES``): then neither torch nor the engine is imported, not even for --help."""
+    words = [word for word in argv if not word.startswith("-")]
+    return words[:1] in [[c] for c in CLIENT_COMMANDS] or words[:2] in [["bench", b] for b in CLIENT_BENCHES]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    client = is_client_command(argv)
+    args = build_parser(client).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cluster.config import ConfigError
-    from replicas.models import CheckpointError
-    from replicas.request import RequestError
 
+    refusals: tuple[type[Exception], ...] = (ConfigError, ValueError)
+    if not client:
+        from replicas.models import CheckpointError
+        from replicas.request import RequestError
+
+        refusals += (CheckpointError, RequestError)
     try:
         return args.func(args)
-    except (CheckpointError, RequestError, ConfigError, ValueError) as exc:
+    except refusals as exc:
         print(f"dllm-serve: error: {exc}", file=sys.stderr)
         return 2
 

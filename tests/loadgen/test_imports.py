@@ -20,3 +20,30 @@ def test_imports_pull_in_neither_torch_nor_the_engine(modules):
             "'replicas.scheduler', 'replicas.runner'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+
+
+@pytest.mark.parametrize("argv", [
+    ["loadgen", "--help"], ["calibrate", "--help"], ["simulate", "--help"], ["bench", "overload", "--help"],
+    ["bench", "calibration", "--help"],
+    ["-v", "loadgen", "--url", "http://127.0.0.1:9", "--rate", "1", "--duration", "0.1", "--quiet"],
+], ids=["loadgen", "calibrate", "simulate", "bench overload", "bench calibration", "a loadgen run"])
+def test_client_commands_of_the_cli_import_neither_torch_nor_the_engine(argv):
+    """`dllm-serve loadgen` and the other client commands run on a machine without torch."""
+    code = (f"import sys\nfrom cluster.cli import main\ntry:\n    code = main({argv!r})\nexcept SystemExit as exit_:\n"
+            f"    code = exit_.code\nprint(code, sorted(m for m in sys.modules if m == 'torch' or m.startswith(("
+            f"'torch.', 'algorithms', 'replicas.engine', 'replicas.scheduler', 'replicas.runner'))))")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    exit_code, loaded = ran.stdout.strip().splitlines()[-1].split(" ", 1)  # after the help text, if any
+    assert loaded == "[]", ran.stdout + ran.stderr
+    assert exit_code in ("0", "2"), ran.stdout + ran.stderr  # help, or an unreachable URL
+
+
+def test_the_whole_cli_still_lists_every_command(capsys):
+    from cluster.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = capsys.readouterr().out
+    for command in ("generate", "train-tiny", "eval-tiny", "up", "status", "render", "bench", "calibrate",
+                    "simulate", "loadgen"):
+        assert command in listed
