@@ -45,6 +45,9 @@ _HAPROXY_FILES = {  # Serve's setting -> file name inside the run directory
 }
 HAPROXY_STATS_PORT_ENV = "RAY_SERVE_HAPROXY_STATS_PORT"
 HAPROXY_METRICS_PORT_ENV = "RAY_SERVE_HAPROXY_METRICS_PORT"
+# HAProxy's backup server: Serve's own proxy, on fixed ports (8500, 9500) unless these say
+# otherwise; two local clusters would share them, and one's HAProxy fall back to the other's
+FALLBACK_PORT_ENVS = ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
 
 
 def haproxy_binary() -> str | None:
@@ -76,9 +79,10 @@ def free_port() -> int:
 
 
 def serve_environment(path: RequestPath, run_dir: str | None = None, stats_port: int | None = None,
-                      metrics_port: int | None = None) -> dict[str, str]:
+                      metrics_port: int | None = None, fallback_ports: tuple[int, int] | None = None) -> dict[str, str]:
     """The environment variables that select ``path`` for Serve's processes. With HAProxy,
-    its files go under ``run_dir`` and its stats and metrics listeners on the given ports."""
+    its files go under ``run_dir``, its stats and metrics listeners on the given ports, and
+    the Serve proxy it falls back to on ``fallback_ports`` (HTTP, gRPC)."""
     env = {THROUGHPUT_ENV: "0" if path == "proxy" else "1", HAPROXY_ENV: "1" if path == "haproxy" else "0"}
     if path == "haproxy":
         if run_dir is not None:
@@ -88,6 +92,8 @@ def serve_environment(path: RequestPath, run_dir: str | None = None, stats_port:
             env[HAPROXY_STATS_PORT_ENV] = str(stats_port)
         if metrics_port is not None:
             env[HAPROXY_METRICS_PORT_ENV] = str(metrics_port)
+        if fallback_ports is not None:
+            env.update({name: str(port) for name, port in zip(FALLBACK_PORT_ENVS, fallback_ports)})
     return env
 
 
@@ -107,7 +113,8 @@ class LocalRequestPath:
     def __init__(self, requested: RequestPath):
         self.path, self.note = usable(requested)
         self.run_dir = tempfile.mkdtemp(prefix="dllm-haproxy-") if self.path == "haproxy" else None
-        ports = (free_port(), free_port()) if self.run_dir else (None, None)
+        # this run's own ports: several local clusters must not share any
+        ports = (free_port(), free_port(), (free_port(), free_port())) if self.run_dir else (None, None, None)
         self.environment = serve_environment(self.path, self.run_dir, *ports)
         self._saved: dict[str, str | None] = {}
 

@@ -7,6 +7,7 @@ on the same ports, and serves.
 """
 
 import asyncio
+import re
 import time
 from pathlib import Path
 
@@ -65,6 +66,9 @@ def test_fresh_cluster_serves_back_to_back_and_concurrent_clients_then_restarts_
         config_file = Path(listener[1].split(" -f ", 1)[1].split()[0])  # <run dir>/<node id>/haproxy.cfg
         run_dir = str(config_file.parents[1])
         assert Path(run_dir).name.startswith("dllm-haproxy-")  # this `up`'s own directory
+        # HAProxy's backup server is this cluster's own Serve proxy, not one on Serve's fixed 8500
+        backup = re.search(r"server SERVE_PROXY_ACTOR-fallback\S* 127\.0\.0\.1:(\d+)", config_file.read_text())
+        assert backup is not None and int(backup.group(1)) != 8500, config_file.read_text()[-800:]
 
         with httpx.Client(base_url=cluster.base_url, timeout=120) as http:
             statuses = [http.post("/v1/completions", json=completion(prompts[i])).status_code
