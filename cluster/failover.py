@@ -22,7 +22,7 @@ from ray.exceptions import RayError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from cluster.router import avoid
-from replicas.limits import blocks_needed
+from replicas.limits import aligned_head, blocks_needed
 from replicas.messages import GenerateChunk, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class Failover:
         cost = job.cost
         if cost is not None and committed:
             block = self.block_length
-            head = len(job.prompt_ids) % block if self.aligned else 0
+            head = aligned_head(len(job.prompt_ids), block, self.aligned)
             total = blocks_needed(head + job.max_tokens, block)
             cost = math.ceil(cost * (total - (head + len(committed)) // block) / total)
         return dataclasses.replace(job, request_id=f"{job.request_id}.{attempt}", resume_ids=tuple(committed),

@@ -54,10 +54,10 @@ from cluster.errors import APIError, bad_request, install_error_handlers, intern
 from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from cluster.request_path import path_in_this_process
-from replicas.limits import max_request_cost
+from replicas.limits import aligned_head, max_request_cost
 from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
-from replicas.settings import blocks_aligned, resolve_algorithm
+from replicas.settings import blocks_aligned, resolve_algorithm, resolve_canvas
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ class Ingress:
         worst = algorithm.worst_case_steps(algorithm.make_params(algorithm_params), block,
                                            self.config.replica.fused_commit)
         # aligned blocks: the first answer block also holds the prompt's end
-        head = len(prompt_ids) % block if blocks_aligned(self.config.replica, self.spec) else 0
+        head = aligned_head(len(prompt_ids), block, blocks_aligned(self.config.replica, self.spec))
         return GenerateRequest(
             request_id=protocol.new_id("cmpl"),
             prompt_ids=prompt_ids,
@@ -313,8 +313,7 @@ class Ingress:
         suffix = getattr(body, "suffix", None)
         if not suffix:
             return ()
-        canvas = self.config.replica.canvas or (self.spec.canvas if self.spec.bidirectional else "block")
-        if canvas != "full":
+        if resolve_canvas(self.config.replica, self.spec) != "full":
             raise bad_request(f"{INFILL_NEEDS}; this model is {'bidirectional on the block canvas' if self.spec.bidirectional else 'block-causal'}",
                               param="suffix")
         return tuple(self.tokenizer(suffix, add_special_tokens=False, split_special_tokens=True)["input_ids"])
@@ -418,10 +417,13 @@ class Ingress:
         except Exception:
             log.exception("request %s failed", request_id)
             raise internal_error(request_id) from None
-        answers = [joined(c) if c else None for c in chunks]
-        failed = next((a for a in answers if a is None or a.error), False)
-        if failed is not False:
-            log.error("request %s failed: %s", request_id, failed.error if failed else "no output from the replica")
+        if not all(chunks):
+            log.error("request %s failed: no output from the replica", request_id)
+            raise internal_error(request_id)
+        answers = [joined(c) for c in chunks]
+        failed = next((a for a in answers if a.error), None)
+        if failed is not None:
+            log.error("request %s failed: %s", request_id, failed.error)
             raise internal_error(request_id)
         build = protocol.chat_body if chat else protocol.completion_body
         choices = [protocol.Choice(i, a.text, a.finish_reason, self._logprobs(a, chat, 0)) for i, a in enumerate(answers)]

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, create_model,
+                      field_validator)
 
 from replicas.batching import SchedulerMode
 from replicas.logprobs import MAX_TOP_LOGPROBS
@@ -107,22 +108,13 @@ UNHONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-class SamplingFields(DllmExtensions):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+# one optional field of any value per entry of UNHONOURED (their validator checks the value)
+_UnhonouredFields = create_model("_UnhonouredFields", __base__=DllmExtensions,
+                                 **{name: (Any, None) for name in UNHONOURED})
 
-    # fields this server cannot honour: accepted only with their neutral value (UNHONOURED)
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
+
+class SamplingFields(_UnhonouredFields):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = Field(max_length=MAX_NAME_CHARS)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT, description="output token limit (default: the server's)")

@@ -20,7 +20,7 @@ import torch
 
 from replicas.async_engine import AsyncEngine
 from replicas.engine import Engine
-from replicas.limits import max_request_cost, request_cost
+from replicas.limits import aligned_head, max_request_cost, request_cost
 from replicas.messages import GenerateChunk, GenerateRequest, joined
 from replicas.monitor import ReplicaMonitor
 from replicas.request import FinishReason, RequestError, RequestOutput, SamplingParams
@@ -79,7 +79,7 @@ class EngineReplica:
         algorithm, algorithm_params = self.engine.algorithm_for(params)
         block = self.engine.block_length
         worst = algorithm.worst_case_steps(algorithm_params, block, self.engine.config.fused_commit)
-        head = len(prompt_ids) % block if self.engine.aligned else 0  # aligned: the first block holds the prompt's end
+        head = aligned_head(len(prompt_ids), block, self.engine.aligned)
         return request_cost(head + params.max_tokens, block, worst, max_request_cost(self.engine.max_model_len, block))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:

@@ -34,7 +34,7 @@ from replicas.request import FinishReason, Request, RequestError, RequestOutput,
 from replicas.rows import RowTable
 from replicas.runner import ModelRunner
 from replicas.scheduler import Scheduler
-from replicas.settings import EngineConfig, blocks_aligned, resolve_algorithm
+from replicas.settings import EngineConfig, blocks_aligned, resolve_algorithm, resolve_canvas
 from replicas.stats import EngineTotals, StepStats
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class Engine:
         self.pool = PagePool(num_pages)
         self.rows = RowTable(config.max_batch, self.max_pages_per_request, size, pad_id=spec.eos_token_id)
         kv_cache = KVCache(spec.num_layers, num_pages, size, spec.num_kv_heads, spec.head_dim, dtype, device)
-        self.canvas = config.canvas or (spec.canvas if spec.bidirectional else "block")
+        self.canvas = resolve_canvas(config, spec)
         self.runner = ModelRunner(self.model, self.rows, kv_cache, device, config.kv_cache,
                                   config.attention_backend, self.canvas)
         self.aligned = blocks_aligned(config, spec)

@@ -15,6 +15,12 @@ def blocks_needed(max_tokens: int, block_length: int) -> int:
     return -(-max_tokens // block_length)
 
 
+def aligned_head(prompt_tokens: int, block_length: int, aligned: bool) -> int:
+    """Prompt tokens in the first answer block: with blocks aligned to the sequence's start,
+    the prompt's end shares it; otherwise none."""
+    return prompt_tokens % block_length if aligned else 0
+
+
 def pages_needed(prompt_tokens: int, max_tokens: int, block_length: int, suffix_tokens: int = 0) -> int:
     """KV pages a request can occupy: its prompt pages, one per possible output block, and
     its suffix's (an infill's text after the answer)."""

@@ -12,7 +12,7 @@ from algorithms import AlgorithmParams, DllmAlgorithm
 from replicas.batching import Phase
 from replicas.detokenizer import Detokenizer
 from replicas.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from replicas.limits import blocks_needed
+from replicas.limits import aligned_head, blocks_needed
 
 
 class RequestError(ValueError):
@@ -121,7 +121,7 @@ class Request:
     @cached_property
     def head(self) -> int:
         """Prompt (or resumed) tokens at the start of the first denoised block (aligned only)."""
-        return self.fixed_tokens % self.block_length if self.aligned else 0
+        return aligned_head(self.fixed_tokens, self.block_length, self.aligned)
 
     @cached_property
     def first_block_index(self) -> int:

@@ -71,6 +71,11 @@ def blocks_aligned(config: EngineConfig, spec: ModelSpec) -> bool:
     return (config.block_alignment or spec.block_alignment) == "prompt"
 
 
+def resolve_canvas(config: EngineConfig, spec: ModelSpec) -> str:
+    """The canvas in force: configured, else the model's (a block-causal model's is 'block')."""
+    return config.canvas or (spec.canvas if spec.bidirectional else "block")
+
+
 def resolve_algorithm(config: EngineConfig, spec: ModelSpec, name: str | None = None,
                       params: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
     """The algorithm a request runs and its parameters (not yet validated).
