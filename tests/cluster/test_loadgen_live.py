@@ -1,6 +1,6 @@
 """`dllm-serve loadgen`, `calibrate` and `bench calibration` (the real CLI, in a subprocess)
-against a real `dllm-serve up`: one replica (a cluster of its own) and two (the package's
-shared cluster, conftest.py)."""
+against a real `dllm-serve up`: one replica (the session's, tests/conftest.py) and two (the
+package's shared cluster, conftest.py)."""
 
 import json
 import subprocess
@@ -9,7 +9,6 @@ import sys
 import numpy as np
 import pytest
 
-import live_up
 from loadgen.arrivals import poisson_times
 from loadgen.capacity.calibration import at_rate, load_calibration
 
@@ -17,19 +16,9 @@ RATE, DURATION_S, SEED = 8.0, 6.0, 3
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1-replica", "2-replicas"])
-def tiny_cluster(request, tmp_path_factory):
+def tiny_cluster(request):
     """The tiny model on ``request.param`` fixed replicas, one torch thread each."""
-    if request.param == 2:  # what the package's cluster is
-        yield request.getfixturevalue("cluster")
-        return
-    settings = {
-        "replica": {"max_batch": 16, "torch_threads": 1},
-        "autoscaling": {"min_replicas": 1, "max_replicas": 1},
-        "stats_period_s": 0.25,
-    }
-    running = live_up.start_cluster(tmp_path_factory.mktemp("cluster1"), settings)
-    yield running
-    live_up.stop_cluster(running.process)
+    return request.getfixturevalue({1: "one_replica", 2: "cluster"}[request.param])
 
 
 def key_args(cluster) -> list[str]:
@@ -106,8 +95,8 @@ def test_bench_calibration_prints_both_sides(tiny_cluster, request):
     replicas = request.node.callspec.params["tiny_cluster"]
     run = _cli("bench", "calibration", "--url", tiny_cluster.base_url, *key_args(tiny_cluster),
                "--calibration-rates", "4,12",
-               "--duration", "3",
-               "--rates", "4,10", "--rate-requests", "20", "--replicas", str(replicas),
+               "--duration", "2",
+               "--rates", "4,10", "--rate-requests", "12", "--replicas", str(replicas),
                "--json", "--quiet")
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout)

@@ -23,15 +23,11 @@ def _prometheus_config(dllm_target: str, ray_target: str) -> dict:
 
 
 @pytest.fixture(scope="package")
-def observed(tmp_path_factory):
-    """(cluster, Prometheus base URL): one tiny replica, its metrics and Ray's scraped every second."""
-    tmp = tmp_path_factory.mktemp("observed")
-    ray_port = cluster_helpers.free_port()
-    settings = {"replica": {"max_batch": 16, "torch_threads": 1}, "stats_period_s": 0.25,
-                "ray_metrics_port": ray_port,
-                # small enough that bursts of requests are refused: rejections have data
-                "admission": {"max_step_debt_per_replica": 300}}
-    cluster = cluster_helpers.start_cluster(tmp, settings)
+def observed(one_replica, tmp_path_factory):
+    """(cluster, Prometheus base URL): the session's one tiny replica, its metrics and Ray's
+    scraped every second."""
+    cluster, tmp = one_replica, tmp_path_factory.mktemp("observed")
+    ray_port = cluster.settings["ray_metrics_port"]
     prometheus = None
     try:
         dllm_target = cluster.metrics_url.removeprefix("http://").removesuffix("/metrics")
@@ -56,4 +52,3 @@ def observed(tmp_path_factory):
         if prometheus is not None:
             prometheus.terminate()
             prometheus.wait(timeout=30)
-        cluster_helpers.stop_cluster(cluster.process)

@@ -20,7 +20,8 @@ MAX_BURSTS = 150  # bounds the load: at most 1200 requests, all to 127.0.0.1
 
 
 class Load(threading.Thread):
-    """Bursts of concurrent requests (half streamed) until stopped: some admitted, some refused."""
+    """Bursts of concurrent requests (half streamed) until stopped: some admitted, and a
+    quarter with a deadline of 10 ms, which admission refuses while others are in flight."""
 
     def __init__(self, base_url: str):
         super().__init__(daemon=True)
@@ -30,6 +31,8 @@ class Load(threading.Thread):
         with httpx.Client(base_url=self.base_url, timeout=60) as client, ThreadPoolExecutor(BURST) as pool:
             def send(i: int) -> int:
                 body = {"model": "tiny", "prompt": _EXAMPLE_PROMPT, "stream": i % 2 == 0}
+                if i % 4 == 3:
+                    body["deadline_s"] = 0.01
                 return client.post("/v1/completions", json=body).status_code
 
             for _ in range(MAX_BURSTS):

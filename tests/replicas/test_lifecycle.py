@@ -77,7 +77,7 @@ def test_literal_mask_text_is_not_a_mask(make_engine, tokenizer):
 
 @pytest.mark.parametrize("mode", ["fdfo", "sync", "static", "fixed_fill"])
 def test_no_page_leak_with_aborts(make_engine, mode):
-    """500 random requests, 20% aborted mid-block at random steps: the pool ends full."""
+    """250 random requests, 20% aborted mid-block at random steps: the pool ends full."""
     rng = random.Random(mode)
     engine = make_engine(mode=mode, max_batch=16, fill_timeout_s=0.001)
     finals = {}
@@ -89,8 +89,8 @@ def test_no_page_leak_with_aborts(make_engine, mode):
     ids = [engine.add_request([rng.randrange(5, 40) for _ in range(rng.randrange(1, 60))],
                               SamplingParams(max_tokens=rng.randrange(1, 64), ignore_eos=True,
                                              algorithm_params={"threshold": rng.choice([0.0, 0.5])}),
-                              on_output=record) for _ in range(500)]
-    to_abort = set(rng.sample(ids, 100))
+                              on_output=record) for _ in range(250)]
+    to_abort = set(rng.sample(ids, 50))
     steps = 0
     while engine.has_work():
         if engine.step() is None:
@@ -103,7 +103,7 @@ def test_no_page_leak_with_aborts(make_engine, mode):
                 to_abort.discard(request_id)
     assert set(finals) == set(ids)  # every request got exactly one final answer
     aborted = [o for o in finals.values() if o.finish_reason is FinishReason.ABORT]
-    assert len(aborted) >= 50
+    assert len(aborted) >= 25
     assert_pool_full(engine)
 
 

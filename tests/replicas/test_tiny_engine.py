@@ -22,6 +22,8 @@ ALGORITHM_CASES = {
     "low_confidence (sampled)": {"temperature": 0.8, "top_p": 0.9, "seed": 11},
     "fixed_steps (sampled)": {"steps": 4, "temperature": 0.7, "seed": 5},
 }
+PARITY_PROMPTS = 12
+REQUESTS = 100  # of one or two puzzles: 2 to 4 blocks each
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +37,11 @@ def test_every_algorithm_is_covered():
 
 @pytest.mark.parametrize("case", ALGORITHM_CASES)
 def test_modes_are_byte_identical_at_batch_1(tiny, case):
-    """Every scheduler mode produces the same tokens for 30 prompts at batch size 1, and so
+    """Every scheduler mode produces the same tokens for 12 prompts at batch size 1, and so
     does fdfo with a separate forward to write each block's KV (``fused_commit=False``),
     which takes one more step per block, unless the rule may edit after the last fill."""
     net, tokenizer = tiny
-    requests = [r for r in task.heldout_requests() if len(r.puzzles) <= 2][:30]
+    requests = [r for r in task.heldout_requests() if len(r.puzzles) <= 2][:PARITY_PROMPTS]
     name = case.split(" ")[0]
     params = SamplingParams(max_tokens=TINY_MAX_TOKENS, algorithm=name, algorithm_params=ALGORITHM_CASES[case])
     configs = {mode.value: EngineConfig(mode=mode.value, max_batch=1) for mode in SchedulerMode}
@@ -47,7 +49,7 @@ def test_modes_are_byte_identical_at_batch_1(tiny, case):
     outputs = {label: Engine(net, tokenizer, config).generate([r.prompt for r in requests], params)
                for label, config in configs.items()}
     tokens = {label: [o.new_token_ids for o in runs] for label, runs in outputs.items()}
-    assert len(tokens["fdfo"]) == 30 and all(tokens["fdfo"])
+    assert len(tokens["fdfo"]) == PARITY_PROMPTS and all(tokens["fdfo"])
     assert all(tokens[label] == tokens["fdfo"] for label in configs)
     steps = {label: sum(o.num_steps for o in outputs[label]) for label in ("fdfo", "fdfo, separate KV write")}
     blocks = sum(len(o.block_steps) for o in outputs["fdfo"])
@@ -55,19 +57,23 @@ def test_modes_are_byte_identical_at_batch_1(tiny, case):
     assert steps["fdfo, separate KV write"] - steps["fdfo"] == saved
 
 
+@pytest.mark.bench
 def test_accuracy_in_both_modes_at_batch_1_and_16():
-    report = evaluate_tiny("tiny", modes=("fdfo", "sync"), batch_sizes=(1, 16), num_requests=200)
+    """At least 90 % of 100 held-out requests right in either mode and batch size, and the
+    modes within one point (one request) of each other."""
+    report = evaluate_tiny("tiny", modes=("fdfo", "sync"), batch_sizes=(1, 16), num_requests=REQUESTS)
     for run in report["runs"]:
         assert run["request_accuracy"] >= 0.90, run
-        assert run["requests"] == 200
+        assert run["requests"] == REQUESTS
     assert report["max_mode_gap_points"] <= 1.0
     histogram = report["runs"][0]["steps_per_block_histogram"]
-    assert len(histogram) >= 5  # steps per block spread over at least five levels
+    assert len(histogram) >= 4  # steps per block spread over at least four levels
 
 
+@pytest.mark.bench
 @pytest.mark.parametrize("workload", ["default", "hard"])
 def test_bench_engine_report_is_consistent(workload):
-    result = bench_engine("tiny", num_requests=48, max_batch=16, rounds=2, workload=workload)
+    result = bench_engine("tiny", num_requests=32, max_batch=16, rounds=2, workload=workload)
     labels = ("fdfo", "sync", "static", SEPARATE_KV)
     for label in labels:
         assert result[f"{label}_tokens_per_s"] > 0

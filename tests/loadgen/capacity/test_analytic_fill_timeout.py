@@ -10,13 +10,14 @@ TINY = validate_calibration(DEFAULT_CALIBRATION)  # step cost grows with rows, h
 DISPATCH = validate_calibration({  # step cost is all dispatch, nearly uniform steps: filling can pay
     "c0": 0.02, "c1": 0.0, "max_batch": 2, "steps_per_block": {4: 0.9, 5: 0.1},
     "blocks_per_request": {1: 0.8, 2: 0.2}, "source": "test"})
-LOADS = (0.1, 0.3, 0.5, 0.7, 0.9)  # fractions of the fixed_fill capacity at full batches
+LOADS = (0.1, 0.5, 0.8)  # fractions of the fixed_fill capacity at full batches: light, half, near saturation
 
 
 def _args(cal):
     return cal["max_batch"], cal["c0"], cal["c1"], cal["steps_per_block"], cal["blocks_per_request"]
 
 
+@pytest.mark.bench
 @pytest.mark.parametrize("cal", [TINY, DISPATCH], ids=["tiny", "dispatch-bound"])
 def test_analytic_tau_is_within_5_percent_of_the_best_simulated(cal):
     capacity = fixed_fill_capacity(cal)

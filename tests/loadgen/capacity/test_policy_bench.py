@@ -6,6 +6,7 @@ from loadgen.capacity.policy_bench import bench_policies
 from replicas.batching import MODES as POLICIES
 
 
+@pytest.mark.bench
 def test_policy_report_is_complete_and_consistent():
     result = bench_policies("tiny", num_requests=40, rate=20.0, max_batch=8, slo_latency_s=5.0)
     assert set(result["policies"]) == set(POLICIES) == {"static", "sync", "fixed_fill", "fdfo"}

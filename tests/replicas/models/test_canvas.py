@@ -46,6 +46,7 @@ def test_full_canvas_rows_do_not_depend_on_their_batch(checkpoint_engine, kv_cac
     assert engine.pool.num_free == free
 
 
+@pytest.mark.bench
 def test_bench_canvas_runs_both_canvases_through_the_same_forwards():
     from cluster.cli import main
 
