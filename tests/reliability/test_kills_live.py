@@ -1,17 +1,18 @@
 """Failures under load on one live cluster of three Ray nodes on this machine
-(``ray.cluster_utils.Cluster``: a head and two workers) with two engine replicas, each
-followed by its recovery, the most destructive last:
+(``ray.cluster_utils.Cluster``: a head and two workers, one CPU each) with two engine
+replicas, each followed by its recovery. The node loss comes first after the deadlines,
+while Serve's first placement holds (one engine a node); the kills run on what is left:
 
 * a request past its deadline ends with a timeout error (504, or an error event in a
   stream), and its pages and admission charge are freed; no request is lost;
+* a node that leaves costs no request: its replica's requests resume on the surviving
+  node's replica, and Serve places a replacement on a surviving node;
 * the metrics actor can die without disturbing serving: requests keep succeeding while it
   is killed and restarted, its Prometheus endpoint is back on the same port within 10 s,
   and the replicas and the ingress fill it again;
 * a replica that dies, or whose steps fail, costs no request: the ingress resumes each of
   its requests on the other replica from the blocks already committed, and the client gets
-  the same text a fault-free run gives (greedy decoding);
-* a node that leaves costs no request: its replica's requests resume on the surviving
-  node's replica, and Serve places a replacement on a surviving node."""
+  the same text a fault-free run gives (greedy decoding)."""
 
 import asyncio
 import os
@@ -95,6 +96,52 @@ def test_requests_past_their_deadline_time_out_and_free_everything(cluster):
     print(f"\n{statuses.count(200)} completed, {len(timed_out)} timed out, stream: "
           f"{streamed['finish_reason'] or streamed['error']['code']}")
 
+
+
+def test_a_node_removed_under_load_costs_no_request(ray_nodes, cluster):
+    nodes, workers = ray_nodes
+    views = wait_for(lambda: (v := cluster.replicas()) and len(v) == 2 and v, 180, "two replicas reporting")
+    placed = {view["node"] for view in views.values()}
+    assert len(placed) == 2, "the two replicas share a node"
+    workers_by_node = {w.node_id: w for w in workers}
+    removed = {}
+
+    def on_chunk(replica):
+        # Serve may place one engine on the head, and the router may send a burst to one
+        # replica: the first chunk from a replica on a worker node takes that node away
+        node = views[replica]["node"]
+        if not removed and node in workers_by_node:
+            nodes.remove_node(workers_by_node[node], allow_graceful=False)
+            # a lost machine takes its processes at once; on this one the node's workers
+            # would linger until they notice their raylet is gone
+            os.kill(views[replica]["pid"], signal.SIGKILL)
+            removed.update(node=node, at=time.monotonic())
+
+    async def load():
+        """Streams started four at a time until a worker node has left (at most NODE_LOSS_REQUESTS)."""
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=180) as client:
+            streams = []
+            while not removed and len(streams) < NODE_LOSS_REQUESTS:
+                for i in range(len(streams), len(streams) + 4):
+                    body = {**BODY, "prompt": f"{i}.{i}..{i % 3}"}
+                    streams.append(asyncio.create_task(stream_completion(client, body, on_chunk)))
+                await asyncio.wait(streams, timeout=0.25)
+            return await asyncio.gather(*streams)
+
+    results = run(load())
+    done = time.monotonic()
+    assert removed, f"no replica on a worker node streamed in {NODE_LOSS_REQUESTS} requests"
+    survivors = (placed | set(workers_by_node)) - {removed["node"]}
+    assert all(r["status"] == 200 and r["error"] is None and r["finish_reason"] == "length" for r in results), \
+        [r["error"] for r in results if r["error"]]
+    # the node left at its replica's first chunk, so that stream finished elsewhere
+    assert any(len(r["replicas"]) > 1 for r in results), [r["replicas"] for r in results]
+    print(f"\n{len(results)}/{len(results)} completed; last one {done - removed['at']:.1f} s after the node left")
+    replaced = wait_for(lambda: (v := cluster.replicas()) and len(v) == 2
+                        and all(view["node"] in survivors for view in v.values()), 180,
+                        "a replacement replica on a surviving node")
+    print(f"replacement reporting {time.monotonic() - removed['at']:.1f} s after the node left")
+    assert replaced
 
 
 def sample_sum(text: str, name: str) -> float | None:
@@ -274,49 +321,3 @@ def test_a_replica_whose_steps_always_fail_is_replaced_and_its_requests_complete
     wait_for(lambda: faulty not in cluster.replicas() and len(cluster.replicas()) == 2, 120,
              "Serve to replace the failing replica")
     print(f"\nfailing replica replaced {time.monotonic() - start:.1f} s after its steps began to fail")
-
-
-def test_a_node_removed_under_load_costs_no_request(ray_nodes, cluster):
-    nodes, workers = ray_nodes
-    views = wait_for(lambda: (v := cluster.replicas()) and len(v) == 2 and v, 180, "two replicas reporting")
-    placed = {view["node"] for view in views.values()}
-    assert len(placed) == 2, "the two replicas share a node"
-    workers_by_node = {w.node_id: w for w in workers}
-    removed = {}
-
-    def on_chunk(replica):
-        # Serve may place one engine on the head, and the router may send a burst to one
-        # replica: the first chunk from a replica on a worker node takes that node away
-        node = views[replica]["node"]
-        if not removed and node in workers_by_node:
-            nodes.remove_node(workers_by_node[node], allow_graceful=False)
-            # a lost machine takes its processes at once; on this one the node's workers
-            # would linger until they notice their raylet is gone
-            os.kill(views[replica]["pid"], signal.SIGKILL)
-            removed.update(node=node, at=time.monotonic())
-
-    async def load():
-        """Streams started four at a time until a worker node has left (at most NODE_LOSS_REQUESTS)."""
-        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=180) as client:
-            streams = []
-            while not removed and len(streams) < NODE_LOSS_REQUESTS:
-                for i in range(len(streams), len(streams) + 4):
-                    body = {**BODY, "prompt": f"{i}.{i}..{i % 3}"}
-                    streams.append(asyncio.create_task(stream_completion(client, body, on_chunk)))
-                await asyncio.wait(streams, timeout=0.25)
-            return await asyncio.gather(*streams)
-
-    results = run(load())
-    done = time.monotonic()
-    assert removed, f"no replica on a worker node streamed in {NODE_LOSS_REQUESTS} requests"
-    survivors = (placed | set(workers_by_node)) - {removed["node"]}
-    assert all(r["status"] == 200 and r["error"] is None and r["finish_reason"] == "length" for r in results), \
-        [r["error"] for r in results if r["error"]]
-    # the node left at its replica's first chunk, so that stream finished elsewhere
-    assert any(len(r["replicas"]) > 1 for r in results), [r["replicas"] for r in results]
-    print(f"\n{len(results)}/{len(results)} completed; last one {done - removed['at']:.1f} s after the node left")
-    replaced = wait_for(lambda: (v := cluster.replicas()) and len(v) == 2
-                        and all(view["node"] in survivors for view in v.values()), 180,
-                        "a replacement replica on a surviving node")
-    print(f"replacement reporting {time.monotonic() - removed['at']:.1f} s after the node left")
-    assert replaced
