@@ -22,9 +22,10 @@ def rows(job: GenerateRequest, n: int) -> list[GenerateRequest]:
     """The replica requests of ``n`` choices of ``job``."""
     if n == 1:
         return [job]
-    seed = job.algorithm_params.get("seed")
-    return [dataclasses.replace(job, request_id=f"{job.request_id}-{index}", algorithm_params=(
-                job.algorithm_params if seed is None else {**job.algorithm_params, "seed": (seed + index) % SEEDS}))
+    given = job.params.algorithm_params
+    seed = given.get("seed")
+    return [dataclasses.replace(job, request_id=f"{job.request_id}-{index}", params=dataclasses.replace(
+                job.params, algorithm_params=given if seed is None else {**given, "seed": (seed + index) % SEEDS}))
             for index in range(n)]
 
 

@@ -94,7 +94,7 @@ def _algorithm_params(args) -> dict:
 def cmd_generate(args) -> int:
     from replicas.async_engine import AsyncEngine
     from replicas.engine import Engine
-    from replicas.request import SamplingParams
+    from replicas.messages import SamplingParams
 
     engine = Engine.from_pretrained(args.model, _engine_config(args))
     params = SamplingParams(max_tokens=args.max_tokens, stop=tuple(args.stop or ()),
@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     refusals: tuple[type[Exception], ...] = (ConfigError, ValueError)
     if not client:
         from replicas.models import CheckpointError
-        from replicas.request import RequestError
+        from replicas.messages import RequestError
 
         refusals += (CheckpointError, RequestError)
     try:

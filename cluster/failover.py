@@ -109,19 +109,20 @@ class Failover:
         """The job for a later attempt: resumed after ``committed``, with what is left of
         its deadline and of its cost, under an id of its own (the replica may still hold
         the broken attempt)."""
-        timeout = job.timeout_s
+        params = job.params
+        timeout = params.timeout_s
         if timeout is not None:
             timeout -= elapsed_s
             if timeout <= 0:
-                raise RequestTimedOut(f"the request ran past its deadline of {job.timeout_s:g} s")
+                raise RequestTimedOut(f"the request ran past its deadline of {params.timeout_s:g} s")
         cost = job.cost
         if cost is not None and committed:
             block = self.block_length
             head = aligned_head(len(job.prompt_ids), block, self.aligned)
-            total = blocks_needed(head + job.max_tokens, block)
+            total = blocks_needed(head + params.max_tokens, block)
             cost = math.ceil(cost * (total - (head + len(committed)) // block) / total)
-        return dataclasses.replace(job, request_id=f"{job.request_id}.{attempt}", resume_ids=tuple(committed),
-                                   timeout_s=timeout, cost=cost)
+        return dataclasses.replace(job, request_id=f"{job.request_id}.{attempt}", cost=cost,
+                                   params=dataclasses.replace(params, resume_ids=tuple(committed), timeout_s=timeout))
 
 
 async def _close(stream) -> None:

@@ -55,7 +55,7 @@ from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from cluster.request_path import path_in_this_process
 from replicas.limits import aligned_head, max_request_cost
-from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, joined, request_problem
+from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, SamplingParams, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
 from replicas.settings import blocks_aligned, resolve_algorithm, resolve_canvas
 
@@ -294,19 +294,14 @@ class Ingress:
                                            self.config.replica.fused_commit)
         # aligned blocks: the first answer block also holds the prompt's end
         head = aligned_head(len(prompt_ids), block, blocks_aligned(self.config.replica, self.spec))
-        return GenerateRequest(
-            request_id=protocol.new_id("cmpl"),
-            prompt_ids=prompt_ids,
-            max_tokens=max_tokens,
-            stop=tuple(body.stop or ()),
-            algorithm=algorithm_name,
-            algorithm_params=algorithm_params,
-            ignore_eos=body.ignore_eos,
-            cost=self.admission.cost(head + max_tokens, block, worst, max_request_cost(self.max_model_len, block)),
+        # the engine's own parameters (every field checked above: its checks cannot refuse them)
+        params = SamplingParams(
+            max_tokens=max_tokens, stop=tuple(body.stop or ()), algorithm=algorithm_name,
+            algorithm_params=algorithm_params, ignore_eos=body.ignore_eos, logprobs=body.logprobs_asked,
             timeout_s=min((t for t in (self.config.request_timeout_s, body.deadline_s) if t is not None), default=None),
-            logprobs=body.logprobs_asked,
-            suffix_ids=suffix_ids,
-        )
+            suffix_ids=suffix_ids)
+        cost = self.admission.cost(head + max_tokens, block, worst, max_request_cost(self.max_model_len, block))
+        return GenerateRequest(protocol.new_id("cmpl"), prompt_ids, params, cost)
 
     def _suffix_ids(self, body: protocol.SamplingFields) -> tuple[int, ...]:
         """A completion's suffix (infilling), tokenized; 400 where the replicas cannot infill."""

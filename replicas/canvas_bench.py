@@ -19,7 +19,7 @@ import torch
 
 from replicas.engine import Engine, EngineConfig
 from replicas.models.llada import LLaDAConfig, LLaDAModelLM
-from replicas.request import SamplingParams
+from replicas.messages import SamplingParams
 
 LLADA_MASK_ID, LLADA_EOS_ID, LLADA_VOCAB = 126336, 126081, 126464
 

@@ -21,9 +21,9 @@ import torch
 from replicas.async_engine import AsyncEngine
 from replicas.engine import Engine
 from replicas.limits import aligned_head, max_request_cost, request_cost
-from replicas.messages import GenerateChunk, GenerateRequest, joined
+from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams, joined
 from replicas.monitor import ReplicaMonitor
-from replicas.request import FinishReason, RequestError, RequestOutput, SamplingParams
+from replicas.request import FinishReason, RequestOutput
 from replicas.settings import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -87,11 +87,7 @@ class EngineReplica:
         start = time.monotonic()
         request_id = request.request_id
         try:
-            params = SamplingParams(
-                max_tokens=request.max_tokens, stop=tuple(request.stop), algorithm=request.algorithm,
-                algorithm_params=request.algorithm_params, ignore_eos=request.ignore_eos,
-                resume_ids=tuple(request.resume_ids), timeout_s=request.timeout_s, logprobs=request.logprobs,
-                suffix_ids=tuple(request.suffix_ids))
+            params = request.params
             cost = request.cost if request.cost is not None else self.worst_case_cost(request.prompt_ids, params)
             stream = self.runner.generate(request.prompt_ids, params, request_id)
             first_block = None

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -26,11 +26,11 @@ from replicas.cost_model import OnlineCostModel
 from replicas.kv_cache import KVCache, PagePool
 from replicas.logprobs import TokenLogprob, record_step
 from replicas.models import load_model, load_tokenizer
-from replicas.messages import INFILL_NEEDS, request_problem, resume_problem
+from replicas.messages import INFILL_NEEDS, RequestError, SamplingParams, request_problem, resume_problem
 from replicas.output import OutputProcessor
 from replicas.batch import ScheduledBatch
 from replicas.batching import SchedulerMode
-from replicas.request import FinishReason, Request, RequestError, RequestOutput, SamplingParams
+from replicas.request import FinishReason, Request, RequestOutput
 from replicas.rows import RowTable
 from replicas.runner import ModelRunner
 from replicas.scheduler import Scheduler
@@ -50,6 +50,13 @@ def torch_dtype(config: EngineConfig) -> torch.dtype:
     if config.dtype is None:
         return torch.bfloat16 if torch.device(config.device).type == "cuda" else torch.float32
     return DTYPES[config.dtype]
+
+
+@dataclass(frozen=True)
+class Abort:
+    """An abort in the engine's inbox (a request in it is an add)."""
+
+    request_id: str
 
 
 class Engine:
@@ -98,7 +105,7 @@ class Engine:
         self.totals = EngineTotals()
         self._requests: dict[str, Request] = {}
         self._deadlines: list[tuple[float, int, Request]] = []  # heap of (deadline, arrival order, request)
-        self._inbox: list[tuple[str, Any]] = []
+        self._inbox: list[Request | Abort] = []  # from any thread; applied at the next step
         self._inbox_lock = threading.Lock()
         self._ids = itertools.count()
         self._arrivals = itertools.count()  # breaks deadline ties in the heap
@@ -162,12 +169,12 @@ class Engine:
                     on_output: Callable[[RequestOutput], None] | None = None) -> str:
         request = self.make_request(prompt, params, request_id, on_output)
         with self._inbox_lock:
-            self._inbox.append(("add", request))
+            self._inbox.append(request)
         return request.request_id
 
     def abort(self, request_id: str) -> None:
         with self._inbox_lock:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(Abort(request_id))
 
     def has_work(self) -> bool:
         return bool(self._inbox or self.scheduler.has_work())
@@ -333,19 +340,20 @@ class Engine:
         fails its request), the others still apply."""
         with self._inbox_lock:
             inbox, self._inbox = self._inbox, []
-        for kind, item in inbox:
+        for item in inbox:
             try:
-                if kind == "add":
+                if isinstance(item, Abort):
+                    self._abort_now(item.request_id)
+                else:
                     self.cost_model.observe_arrival(item.arrival_time)
                     self._requests[item.request_id] = item
                     if item.deadline is not None:
                         heapq.heappush(self._deadlines, (item.deadline, next(self._arrivals), item))
                     self.scheduler.add(item)
-                else:
-                    self._abort_now(item)
             except Exception as exc:
-                log.exception("engine inbox %s failed", kind)
-                if kind == "add":
+                log.exception("engine inbox: the %s of request %s failed",
+                              "abort" if isinstance(item, Abort) else "add", item.request_id)
+                if not isinstance(item, Abort):
                     self._fail(item, f"the replica could not queue the request: {exc}", replica_fault=True)
 
     def _expire(self) -> None:

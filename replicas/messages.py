@@ -1,7 +1,8 @@
 """What the ingress and a replica send each other, and the checks both apply (no torch).
 
-The ingress sends one ``GenerateRequest`` (tokenized and validated); the replica answers
-with a stream of ``GenerateChunk``, one per committed block, the last one ``finished``.
+The ingress sends one ``GenerateRequest`` (tokenized and validated, with the engine's own
+``SamplingParams``); the replica answers with a stream of ``GenerateChunk``, one per
+committed block, the last one ``finished``.
 """
 
 from __future__ import annotations
@@ -11,26 +12,50 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from replicas.limits import length_error, pages_needed
-from replicas.logprobs import TokenLogprob
+from replicas.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 
 if TYPE_CHECKING:
     from replicas.models.spec import ModelSpec
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message says why (the API turns it into a 4xx)."""
+
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    algorithm: str | None = None  # None: the engine's default
+    algorithm_params: dict[str, Any] = field(default_factory=dict)
+    ignore_eos: bool = False
+    # a continuation: the output a failed replica had committed (whole blocks); the
+    # request goes on from the next block as if it had produced them itself
+    resume_ids: tuple[int, ...] = ()
+    timeout_s: float | None = None  # the request ends with a timeout this long after it arrived
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its step's k most likely
+    # infilling: tokens fixed on the canvas after the answer's blocks, which the model fills
+    # in between (a bidirectional model on the full canvas only)
+    suffix_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise RequestError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if any(not s for s in self.stop):
+            raise RequestError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"logprobs must be 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str
     prompt_ids: list[int]
-    max_tokens: int
-    stop: tuple[str, ...] = ()
-    algorithm: str | None = None  # None: the replica's default
-    algorithm_params: dict[str, Any] = field(default_factory=dict)
-    ignore_eos: bool = False
+    params: SamplingParams
     cost: float | None = None  # row-steps charged at admission; None: the replica's worst case
-    resume_ids: tuple[int, ...] = ()  # a continuation: the output committed so far (whole blocks)
-    timeout_s: float | None = None  # the replica ends the request with a timeout this long after receiving it
-    logprobs: int | None = None  # None: none; k: each token's log-probability and its k most likely alternatives
-    suffix_ids: tuple[int, ...] = ()  # infilling: fixed after the answer's blocks (full canvas only)
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,9 @@ from typing import Any
 from algorithms import AlgorithmParams, DllmAlgorithm
 from replicas.batching import Phase
 from replicas.detokenizer import Detokenizer
-from replicas.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from replicas.logprobs import TokenLogprob
 from replicas.limits import aligned_head, blocks_needed
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the message says why (the API turns it into a 4xx)."""
+from replicas.messages import SamplingParams
 
 
 class FinishReason(str, enum.Enum):
@@ -25,33 +22,6 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
     ERROR = "error"
     TIMEOUT = "timeout"  # past its deadline (``SamplingParams.timeout_s``)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 128
-    stop: tuple[str, ...] = ()
-    algorithm: str | None = None  # None: the engine's default
-    algorithm_params: dict[str, Any] = field(default_factory=dict)
-    ignore_eos: bool = False
-    # a continuation: the output a failed replica had committed (whole blocks); the
-    # request goes on from the next block as if it had produced them itself
-    resume_ids: tuple[int, ...] = ()
-    timeout_s: float | None = None  # the request ends with a timeout this long after it arrived
-    logprobs: int | None = None  # None: none; k: each token's log-probability and its step's k most likely
-    # infilling: tokens fixed on the canvas after the answer's blocks, which the model fills
-    # in between (a bidirectional model on the full canvas only)
-    suffix_ids: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        if self.max_tokens <= 0:
-            raise RequestError(f"max_tokens must be > 0, got {self.max_tokens}")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise RequestError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if any(not s for s in self.stop):
-            raise RequestError("stop strings must be non-empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"logprobs must be 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
 
 @dataclass

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 from replicas.engine import Engine, EngineConfig
 from replicas.models import load_model, load_tokenizer
-from replicas.request import RequestOutput, SamplingParams
+from replicas.request import RequestOutput
+from replicas.messages import SamplingParams
 from replicas.tiny import task
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from live_up import start_cluster, stop_cluster
 from replicas.engine import Engine, EngineConfig
-from replicas.request import SamplingParams
+from replicas.messages import SamplingParams
 from tests.replicas.models.checkpoint_builders import write_checkpoint
 
 REPLICA = {"max_batch": 2, "torch_threads": 1}

@@ -7,17 +7,17 @@ import json
 import pytest
 
 from cluster.choices import SEEDS, merged, rows
-from replicas.messages import GenerateRequest
+from replicas.messages import GenerateRequest, SamplingParams
 from test_ingress_path import answer, completion, make_ingress
 
 
 def test_rows_have_their_own_ids_and_seeds():
-    job = GenerateRequest("cmpl-1", [1, 2], 16, algorithm_params={"seed": SEEDS - 2, "temperature": 1.0})
+    job = GenerateRequest("cmpl-1", [1, 2], SamplingParams(16, algorithm_params={"seed": SEEDS - 2, "temperature": 1.0}))
     assert rows(job, 1) == [job]
     three = rows(job, 3)
     assert [r.request_id for r in three] == ["cmpl-1-0", "cmpl-1-1", "cmpl-1-2"]
-    assert [r.algorithm_params["seed"] for r in three] == [SEEDS - 2, SEEDS - 1, 0]
-    assert all(r.algorithm_params["temperature"] == 1.0 and r.prompt_ids == [1, 2] for r in three)
+    assert [r.params.algorithm_params["seed"] for r in three] == [SEEDS - 2, SEEDS - 1, 0]
+    assert all(r.params.algorithm_params["temperature"] == 1.0 and r.prompt_ids == [1, 2] for r in three)
 
 
 async def numbers(start, count, delay, fail_at=None, closed=None):

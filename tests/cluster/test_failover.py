@@ -2,13 +2,14 @@
 the stitched stream equals an unbroken one, attempts are bounded, deadlines hold."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from ray.exceptions import ActorDiedError
 
 from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from replicas.deployment import EngineReplica
-from replicas.messages import GenerateChunk, GenerateRequest
+from replicas.messages import GenerateChunk, GenerateRequest, SamplingParams
 from replicas.settings import EngineConfig
 
 
@@ -43,8 +44,8 @@ def collect(failover: Failover, job: GenerateRequest) -> list[GenerateChunk]:
 
 def job_for(replica, **fields) -> GenerateRequest:
     prompt = "12.4..7.9"
-    return GenerateRequest("r1", replica.engine.encode(prompt), 96, ignore_eos=True,
-                           algorithm_params={"temperature": 1.0, "seed": 3}, **fields)
+    return GenerateRequest("r1", replica.engine.encode(prompt), SamplingParams(
+        96, ignore_eos=True, algorithm_params={"temperature": 1.0, "seed": 3}, **fields))
 
 
 def test_a_stream_broken_twice_is_stitched_into_the_unbroken_one(replica):
@@ -55,7 +56,7 @@ def test_a_stream_broken_twice_is_stitched_into_the_unbroken_one(replica):
     assert "".join(c.text for c in stitched) == "".join(c.text for c in whole)
     assert [t for c in stitched for t in c.token_ids] == [t for c in whole for t in c.token_ids]
     assert len(counted) == 3 and len(attempts) == 4
-    assert [len(a.resume_ids) for a in attempts] == [0, 32, 32, 48]  # resumed after the committed blocks
+    assert [len(a.params.resume_ids) for a in attempts] == [0, 32, 32, 48]  # resumed after the committed blocks
     assert [a.request_id for a in attempts] == ["r1", "r1.2", "r1.3", "r1.4"]
     assert attempts[-1].cost is None or attempts[-1].cost < attempts[0].cost
     final = stitched[-1]
@@ -86,7 +87,7 @@ def test_attempts_are_bounded(replica):
 def test_the_deadline_carries_over_to_the_resumed_attempt(replica):
     generate, attempts = breaking(replica, [1])
     collect(Failover(generate, 2, 0.0, 16), job_for(replica, timeout_s=60.0))
-    assert attempts[1].timeout_s < 60.0
+    assert attempts[1].params.timeout_s < 60.0
     with pytest.raises(RequestTimedOut, match="deadline of 60 s"):
         Failover(generate, 2, 0.0, 16)._resumed(job_for(replica, timeout_s=60.0), [], elapsed_s=60.5, attempt=2)
 
@@ -97,13 +98,13 @@ def test_an_aligned_continuation_sent_without_a_cost_is_served():
     replica = EngineReplica("tiny", EngineConfig(max_batch=4, block_alignment="prompt"), metrics_actor=None)
     try:
         prompt = replica.engine.encode("12.4..7.9")  # 9 tokens: the first answer block holds 7 answer ids
-        job = GenerateRequest("a", prompt, 96, ignore_eos=True, algorithm_params={"temperature": 1.0, "seed": 3})
+        params = SamplingParams(96, ignore_eos=True, algorithm_params={"temperature": 1.0, "seed": 3})
+        job = GenerateRequest("a", prompt, params)
         whole = collect(Failover(replica.generate, 1, 0.0, 16, aligned=True), job)
         committed = [t for c in whole[:2] for t in c.token_ids]
         assert len(committed) == 7 + 16
         rest = collect(Failover(replica.generate, 1, 0.0, 16, aligned=True),
-                       GenerateRequest("b", prompt, 96, ignore_eos=True, resume_ids=tuple(committed),
-                                       algorithm_params={"temperature": 1.0, "seed": 3}))
+                       GenerateRequest("b", prompt, replace(params, resume_ids=tuple(committed))))
         assert not rest[0].error, rest[0].error
         assert committed + [t for c in rest for t in c.token_ids] == [t for c in whole for t in c.token_ids]
     finally:
@@ -114,6 +115,6 @@ def test_an_aligned_continuation_sent_without_a_cost_is_served():
 def test_a_continuation_is_charged_the_blocks_left(aligned, committed, blocks):
     """Prompt of 9 tokens, 96 answer tokens, blocks of 16: unaligned 6 blocks; aligned 7 (the
     first holds the prompt's end and 7 answer ids). Either way 2 are done."""
-    job = GenerateRequest("r", [1] * 9, 96, cost=700.0)
+    job = GenerateRequest("r", [1] * 9, SamplingParams(96), cost=700.0)
     resumed = Failover(None, 2, 0.0, 16, aligned=aligned)._resumed(job, [5] * committed, 0.0, 2)
     assert resumed.cost == -(-700 * (blocks - 2) // blocks)

@@ -166,7 +166,7 @@ def test_admission_cost_is_capped_at_what_one_replica_row_holds(ingress):
                                       algorithm_params={"max_post_edit_steps": MAX_POST_EDIT_STEPS})
     job = instance._prepare(body, "1")
     worst = block + MAX_POST_EDIT_STEPS + 1
-    assert request_cost(job.max_tokens, block, worst) > cap and job.cost == cap
+    assert request_cost(job.params.max_tokens, block, worst) > cap and job.cost == cap
     small = instance._prepare(protocol.CompletionRequest(model="tiny", prompt="1", max_tokens=16), "1")
     assert small.cost == block  # one block at the worst case (fused commit: L fills), under the cap
 

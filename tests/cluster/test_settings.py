@@ -15,8 +15,7 @@ from cluster.cli import _engine_config, build_parser, up_config
 from cluster.config import ReplicaSettings, load_config
 from cluster.errors import APIError
 from replicas.deployment import EngineReplica
-from replicas.messages import GenerateChunk, GenerateRequest, request_problem
-from replicas.request import RequestError, SamplingParams
+from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams, request_problem
 from replicas.settings import EngineConfig, resolve_algorithm
 
 
@@ -95,8 +94,8 @@ def test_resolve_algorithm_layers_request_over_configured_over_model():
 
 
 @pytest.mark.parametrize("message", [
-    GenerateRequest("r1", [1, 2, 3], 32, stop=("x",), algorithm="fixed_steps", algorithm_params={"steps": 4},
-                    ignore_eos=True, cost=12.0),
+    GenerateRequest("r1", [1, 2, 3], SamplingParams(32, stop=("x",), algorithm="fixed_steps",
+                                                    algorithm_params={"steps": 4}, ignore_eos=True), cost=12.0),
     GenerateChunk("ab", 2, True, "stop", prompt_tokens=3, completion_tokens=2, steps=5, block_steps=[3, 2],
                   replica="r", engine_s=0.5),
     GenerateChunk.refusal("the prompt is empty"),
@@ -141,10 +140,10 @@ async def _chunks(replica, request: GenerateRequest) -> list[GenerateChunk]:
 
 def test_replica_streams_chunks_and_refuses_with_the_shared_message(replica):
     spec = replica.engine.spec
-    ok = asyncio.run(_chunks(replica, GenerateRequest("ok", replica.engine.encode("1.3. ..2."), 32)))
+    ok = asyncio.run(_chunks(replica, GenerateRequest("ok", replica.engine.encode("1.3. ..2."), SamplingParams(32))))
     assert all(isinstance(c, GenerateChunk) for c in ok) and ok[-1].finished and ok[-1].error is None
     assert ok[-1].completion_tokens == sum(len(c.token_ids) for c in ok) and ok[-1].replica == "local"
-    bad = asyncio.run(_chunks(replica, GenerateRequest("bad", [1, spec.mask_token_id], 16)))
+    bad = asyncio.run(_chunks(replica, GenerateRequest("bad", [1, spec.mask_token_id], SamplingParams(16))))
     expected = request_problem([1, spec.mask_token_id], 16, spec, replica.engine.max_model_len).message
     assert bad == [GenerateChunk.refusal(expected)]
 
@@ -185,14 +184,14 @@ def test_ingress_builds_the_request_the_replica_takes(ingress, replica):
 
     body = CompletionRequest(model="tiny", prompt="1.3.", max_tokens=32, threshold=0.5, stop=["x"])
     request = ingress._prepare(body, body.prompt)
-    assert isinstance(request, GenerateRequest) and request.stop == ("x",)
-    assert ingress._prepare(CompletionRequest(model="tiny", prompt="1.3."), "1.3.").stop == ()
-    seed = request.algorithm_params.pop("seed")  # drawn for the request, so that a failover draws the same
+    assert isinstance(request, GenerateRequest) and request.params.stop == ("x",)
+    assert ingress._prepare(CompletionRequest(model="tiny", prompt="1.3."), "1.3.").params.stop == ()
+    params = request.params
+    seed = params.algorithm_params.pop("seed")  # drawn for the request, so that a failover draws the same
     assert isinstance(seed, int) and 0 <= seed < 2 ** 63
-    assert (request.algorithm, request.algorithm_params) == resolve_algorithm(
+    assert (params.algorithm, params.algorithm_params) == resolve_algorithm(
         ingress.config.replica, ingress.spec, None, {"threshold": 0.5})
-    assert request.cost == replica.worst_case_cost(request.prompt_ids, SamplingParams(
-        max_tokens=32, algorithm=request.algorithm, algorithm_params=request.algorithm_params))
+    assert request.cost == replica.worst_case_cost(request.prompt_ids, params)
 
 
 def test_generate_runs_with_engine_flags_and_request_params(capsys):

@@ -19,7 +19,7 @@ from replicas.canvas_bench import IdsOnly
 from replicas.engine import Engine, EngineConfig
 from replicas.models.sdar import SDARForCausalLM
 from replicas.models.transformer import QwenStyleConfig
-from replicas.request import SamplingParams
+from replicas.messages import SamplingParams
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

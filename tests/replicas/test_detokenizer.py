@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from loadgen.detokenize_bench import byte_level_bpe as train_byte_level_bpe
 from replicas.detokenizer import CONTEXT_TOKENS, Detokenizer, held_suffix
 from replicas.output import OutputProcessor, text_decoder
-from replicas.request import FinishReason, Request, SamplingParams
+from replicas.request import FinishReason, Request
+from replicas.messages import SamplingParams
 
 
 @lru_cache(maxsize=2)

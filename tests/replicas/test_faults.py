@@ -11,8 +11,8 @@ import pytest
 from failing_call import failing_on_call
 from replicas.async_engine import AsyncEngine
 from replicas.deployment import EngineReplica
-from replicas.messages import GenerateRequest
-from replicas.request import FinishReason, SamplingParams
+from replicas.messages import GenerateRequest, SamplingParams
+from replicas.request import FinishReason
 from replicas.settings import EngineConfig
 
 PARAMS = SamplingParams(max_tokens=64, ignore_eos=True)
@@ -103,7 +103,7 @@ def replica(monkeypatch):
 
 def _generate(replica, prompt: str) -> list:
     async def collect():
-        job = GenerateRequest(prompt, replica.engine.encode(prompt), 64, ignore_eos=True)
+        job = GenerateRequest(prompt, replica.engine.encode(prompt), SamplingParams(64, ignore_eos=True))
         return [chunk async for chunk in replica.generate(job)]
     return asyncio.run(collect())
 

@@ -6,7 +6,7 @@ import torch
 from replicas.attention import DenseAttentionContext
 from replicas.batch import ScheduledBatch
 from replicas.kv_cache import KVCache, PagePool
-from replicas.request import SamplingParams
+from replicas.messages import SamplingParams
 from replicas.rows import RowTable
 from replicas.runner import ModelRunner
 

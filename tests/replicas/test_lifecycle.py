@@ -9,7 +9,8 @@ import pytest
 from exploding_algorithm import NAME as EXPLODING, register_exploding
 from failing_call import failing_on_call
 from replicas.async_engine import AsyncEngine
-from replicas.request import FinishReason, RequestError, SamplingParams
+from replicas.request import FinishReason
+from replicas.messages import RequestError, SamplingParams
 
 
 def assert_pool_full(engine):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from replicas.logprobs import TokenLogprob, record_step
-from replicas.request import RequestError, SamplingParams
+from replicas.messages import RequestError, SamplingParams
 
 
 def test_record_step_writes_only_the_positions_the_step_wrote():

@@ -10,7 +10,8 @@ from algorithms import get_algorithm
 from replicas.batching import Phase, SchedulerMode
 from replicas.engine import Engine, EngineConfig
 from replicas.kv_cache import PagePool
-from replicas.request import FinishReason, Request, SamplingParams
+from replicas.request import FinishReason, Request
+from replicas.messages import SamplingParams
 from replicas.rows import RowTable
 from replicas.scheduler import Scheduler
 

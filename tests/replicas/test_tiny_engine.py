@@ -5,7 +5,7 @@ import pytest
 from algorithms import available_algorithms, get_algorithm
 from replicas.engine import Engine, EngineConfig
 from replicas.models import load_model, load_tokenizer
-from replicas.request import SamplingParams
+from replicas.messages import SamplingParams
 from replicas.batching import SchedulerMode
 from replicas.tiny import task
 from replicas.tiny.bench import BENCH_SEED, SEPARATE_KV, WORKLOADS, bench_engine

@@ -7,7 +7,7 @@ import torch
 from replicas.canvas_bench import bench_canvas
 from replicas.attention import DenseAttentionContext
 from replicas.engine import Engine, EngineConfig
-from replicas.request import RequestError, SamplingParams
+from replicas.messages import RequestError, SamplingParams
 
 
 @pytest.mark.parametrize("arch, canvas, aligned", [

@@ -11,7 +11,8 @@ from checkpoint_builders import EOS_ID, OVERRIDES
 from replicas.engine import Engine, EngineConfig
 from replicas.models import CheckpointError, load_model_spec
 from replicas.models.defaults import default_spec
-from replicas.request import FinishReason, SamplingParams
+from replicas.request import FinishReason
+from replicas.messages import SamplingParams
 
 FULL_VOCAB = types.SimpleNamespace(vocab_size=160_000, num_layers=1, num_kv_heads=1, head_dim=8, max_positions=4096)
 

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from replicas.attention import DenseAttentionContext
-from replicas.messages import INFILL_NEEDS
-from replicas.request import RequestError, SamplingParams
+from replicas.messages import INFILL_NEEDS, RequestError, SamplingParams
 
 PROMPT = [5 + (i * 7) % 80 for i in range(45)]
 SUFFIX = [7 + (i * 11) % 70 for i in range(20)]

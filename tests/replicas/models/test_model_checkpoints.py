@@ -9,7 +9,7 @@ import pytest
 from checkpoint_builders import CHECKPOINTS, EOS_ID, MASK_ID, OVERRIDES
 from replicas.engine import Engine, EngineConfig
 from replicas.models import CheckpointError, load_model_spec, load_tokenizer
-from replicas.request import SamplingParams
+from replicas.messages import SamplingParams
 from replicas.batching import SchedulerMode
 
 PROMPTS = ["What is 2+2?", "Tell me a story about a cat.", "x"]

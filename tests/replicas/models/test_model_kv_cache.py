@@ -12,7 +12,7 @@ import torch
 from checkpoint_builders import OVERRIDES
 from replicas.attention import DenseAttentionContext
 from replicas.engine import Engine, EngineConfig
-from replicas.request import SamplingParams
+from replicas.messages import SamplingParams
 
 
 def record_steps(engine, prompt, max_tokens):

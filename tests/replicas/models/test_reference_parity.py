@@ -17,7 +17,8 @@ import pytest
 
 from checkpoint_builders import OVERRIDES, weights_sha256, write_checkpoint
 from replicas.engine import Engine, EngineConfig
-from replicas.request import FinishReason, SamplingParams
+from replicas.request import FinishReason
+from replicas.messages import SamplingParams
 
 PARITY = json.loads((Path(__file__).parent / "parity" / "fixtures.json").read_text())
 FIXTURES = {fixture["id"]: fixture for fixture in PARITY["fixtures"]}

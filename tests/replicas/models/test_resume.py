@@ -6,7 +6,7 @@ aligned to the sequence's start, whose first answer block holds the prompt's end
 import pytest
 
 from replicas.engine import Engine
-from replicas.request import RequestError, SamplingParams
+from replicas.messages import RequestError, SamplingParams
 from test_model_kv_cache import PROMPT
 
 ARCHS = ["tiny", "SDARForCausalLM", "LLaDA2MoeModelLM", "LLaDAModelLM", "DreamModel"]
