@@ -53,14 +53,14 @@ import math
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from cluster.config import AdmissionSettings, SLOSettings
 from replicas.cost_model import DrainModel, mean_steps
 from replicas.limits import request_cost, steps_quantile
+from replicas.reports import MIN_STALE_S, ReplicaView
 
-LIVE_AFTER_S = 10.0  # replica stats older than this are ignored
 
 
 @dataclass(frozen=True)
@@ -72,15 +72,17 @@ class Decision:
 
 class AdmissionController:
     def __init__(self, settings: AdmissionSettings, slo_latency_s: float | None, min_replicas: int,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, stale_after_s: float = MIN_STALE_S):
         """``slo_latency_s``: None derives it from the replicas' reports; ``clock``: the wall
-        clock the replicas' ``stats_time`` is on."""
+        clock the replicas' ``stats_time`` is on; reports older than ``stale_after_s``
+        (``replicas.reports.stale_after_s``) are ignored."""
         self.settings = settings
+        self.stale_after_s = stale_after_s
         self.slo = SLOSettings(latency_s=slo_latency_s)
         self.min_replicas = min_replicas
         self.clock = clock
         self.outstanding = 0.0
-        self.view: dict[str, dict] = {}
+        self.view: dict[str, ReplicaView] = {}
         self._prior = DrainModel(1 / settings.initial_row_steps_per_s, 0.0, 1, 1)
         self._reported_at: float | None = None  # stats_time of the oldest live report
         # charges admitted after the reports (weakly: a dropped charge closes itself)
@@ -93,10 +95,11 @@ class AdmissionController:
         self._slo_s = self.slo.latency_for(())
 
     # ---- the replicas' reports -----------------------------------------------------------
-    def update_view(self, view: dict[str, dict]) -> None:
-        """Latest routing stats per replica (from the metrics actor)."""
-        self.view = {r: v for r, v in view.items() if v.get("age_s", 0) <= LIVE_AFTER_S}
-        self._reported_at = min((v["stats_time"] for v in self.view.values() if "stats_time" in v), default=None)
+    def update_view(self, view: Mapping[str, Mapping]) -> None:
+        """Latest routing stats per replica (``cluster_view`` of the metrics actor)."""
+        views = {r: ReplicaView.model_validate(v) for r, v in view.items()}
+        self.view = {r: v for r, v in views.items() if v.age_s <= self.stale_after_s}
+        self._reported_at = min((v.stats_time for v in self.view.values() if v.stats_time is not None), default=None)
         if self._reported_at is not None:
             for charge in [c for c in self._since_report if c.admitted_at <= self._reported_at]:
                 self._since_report.discard(charge)
@@ -107,11 +110,11 @@ class AdmissionController:
                 self._released_since_report_total = 0.0
         merged: Counter = Counter()
         for stats in self.view.values():
-            merged.update({int(k): v for k, v in stats.get("steps_per_block", {}).items()})
+            merged.update(stats.steps_per_block)
         quantile = self.settings.cost_quantile
         self._measured_steps = mean_steps(merged) if quantile is None else steps_quantile(merged, quantile)
-        self._slo_s = self.slo.latency_for(v["longest_request_s"] for v in self.view.values()
-                                           if v.get("longest_request_s") is not None)
+        self._slo_s = self.slo.latency_for(v.longest_request_s for v in self.view.values()
+                                           if v.longest_request_s is not None)
 
     @property
     def slo_latency_s(self) -> float:
@@ -138,7 +141,7 @@ class AdmissionController:
         own = self.ingress_replicas * self.outstanding
         if not self.view:
             return own
-        reported = sum(v.get("step_debt", 0.0) for v in self.view.values()) - self._released_since_report_total
+        reported = sum(v.step_debt for v in self.view.values()) - self._released_since_report_total
         since = sum(charge.remaining for charge in self._since_report)
         return max(max(reported, 0.0) + self.ingress_replicas * since, own)
 
@@ -146,7 +149,7 @@ class AdmissionController:
         """(R, step seconds at the batch the queue will run at), see the module docstring."""
         if self.view:
             models = [DrainModel.from_stats(v) or self._prior for v in self.view.values()]
-            rows = sum(v.get("live_requests", 0) for v in self.view.values()) + len(self._since_report) + 1
+            rows = sum(v.live_requests for v in self.view.values()) + len(self._since_report) + 1
         else:
             models, rows = [self._prior] * self.min_replicas, 1
         batch = -(-rows // len(models))

@@ -18,6 +18,7 @@ from cluster.ingress import Ingress
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE, MetricsActor
 from cluster.request_path import LocalRequestPath
 from replicas.deployment import EngineReplica
+from replicas.reports import stale_after_s
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def replica_deployment_options(config: AppConfig) -> dict:
         "graceful_shutdown_timeout_s": 60.0,
         "request_router_config": {
             "request_router_class": "cluster.router:DrainTimeRouter",
-            "request_router_kwargs": {"stale_after_s": max(5.0, 10 * config.stats_period_s)},
+            "request_router_kwargs": {"stale_after_s": stale_after_s(config.stats_period_s)},
             "request_routing_stats_period_s": config.stats_period_s,
             "request_routing_stats_timeout_s": max(1.0, config.stats_period_s),
         },
@@ -154,7 +155,7 @@ def start_metrics_actor(config: AppConfig):
     actor = ray.remote(MetricsActor).options(
         name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_restarts=-1, resources={"node:__internal_head__": 0.001},
-    ).remote(config.host, config.metrics_port)
+    ).remote(config.host, config.metrics_port, stale_after_s(config.stats_period_s))
     return ray.get(actor.ready.remote(), timeout=METRICS_ACTOR_START_S)
 
 

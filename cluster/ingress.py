@@ -57,6 +57,7 @@ from cluster.request_path import path_in_this_process
 from replicas.limits import aligned_head, max_request_cost
 from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, SamplingParams, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
+from replicas.reports import IngressReport, stale_after_s
 from replicas.settings import blocks_aligned, resolve_algorithm, resolve_canvas
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,8 @@ class Ingress:
         get_algorithm(default_name).make_params(default_params)  # a bad default fails at start
         self.max_model_len = self.config.replica.max_model_len or self.spec.max_positions
         self.admission = AdmissionController(self.config.admission, self.config.slo.latency_s,
-                                             self.config.autoscaling.min_replicas)
+                                             self.config.autoscaling.min_replicas,
+                                             stale_after_s=stale_after_s(self.config.stats_period_s))
         # one thread: a transformers tokenizer is not safe to call from several at once
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dllm-tokenize")
         self.ingress_id = protocol.new_id("ingress")
@@ -135,8 +137,8 @@ class Ingress:
                 "request_path": self.request_path,
                 # the replicas' CPU seconds in forwards and in engine steps so far, as last reported:
                 # `bench overload` shows their process CPU apart from them
-                **{key: sum(v.get(key, 0.0) for v in self.admission.view.values())
-                   for key in ("forward_cpu_s", "step_cpu_s")}}
+                "forward_cpu_s": sum(v.forward_cpu_s for v in self.admission.view.values()),
+                "step_cpu_s": sum(v.step_cpu_s for v in self.admission.view.values())}
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self, authorization: str | None = Header(None)):
@@ -488,9 +490,9 @@ class Ingress:
     def ingress_report(self) -> dict:
         """This ingress's totals since it started (the metrics actor takes differences, so a
         report that is lost or sent twice changes nothing)."""
-        return {"admitted": self.admitted, "rejected": dict(self.rejected), "failovers": self.failovers,
-                "outstanding": self.admission.outstanding, "cpu_s": time.process_time(),
-                "in_flight": self.in_flight, "draining": self.draining}
+        return IngressReport(admitted=self.admitted, rejected=dict(self.rejected), failovers=self.failovers,
+                             outstanding=self.admission.outstanding, cpu_s=time.process_time(),
+                             in_flight=self.in_flight, draining=self.draining).model_dump()
 
     @contextmanager
     def _counted(self):

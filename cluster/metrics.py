@@ -29,10 +29,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from replicas.calibration_log import CalibrationLog
+from replicas.reports import MIN_STALE_S, IngressReport, ReplicaStats, ReplicaView
 
 ACTOR_NAME = "dllm-metrics"
 ACTOR_NAMESPACE = "dllm"
-STALE_AFTER_S = 30.0
 BIND_RETRY_S = 30.0  # a restarted actor waits this long at most for its port to be free
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
@@ -79,7 +79,7 @@ METRICS = (
     MetricSpec("dllm_failovers_total", Counter, "Requests resumed on another replica after theirs failed", ()),
     MetricSpec("dllm_admission_outstanding", Gauge, "Row-steps admitted by the ingress replicas and not yet released", ()),
     MetricSpec("dllm_ingress_cpu_seconds_total", Counter, "CPU seconds used by the ingress replicas' processes", ()),
-    MetricSpec("dllm_replicas", Gauge, "Replicas that reported in the last 30 s", ()),
+    MetricSpec("dllm_replicas", Gauge, "Replicas that reported recently (replicas.reports.stale_after_s: 10 s or 20 stats periods)", ()),
 )
 
 # gauge name -> key of the replica's routing stats
@@ -95,7 +95,9 @@ _GAUGE_SOURCES = {
 
 
 class MetricsExporter:
-    def __init__(self):
+    def __init__(self, stale_after_s: float = MIN_STALE_S):
+        """A replica or ingress silent for ``stale_after_s`` (``replicas.reports.stale_after_s``) is gone."""
+        self.stale_after_s = stale_after_s
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self.metrics = {}
@@ -103,9 +105,9 @@ class MetricsExporter:
             kwargs = {"buckets": spec.buckets} if spec.buckets else {}
             self.metrics[spec.name] = spec.kind(spec.name, spec.help, spec.labels, registry=self.registry, **kwargs)
         self._last_seen: dict[str, float] = {}
-        self._views: dict[str, dict] = {}
+        self._views: dict[str, ReplicaStats] = {}
         self._calibration: dict[str, CalibrationLog] = {}
-        self._ingress: dict[str, tuple[float, dict]] = {}  # ingress id -> (last seen, last report)
+        self._ingress: dict[str, tuple[float, IngressReport]] = {}  # ingress id -> (last seen, last report)
         self.metrics["dllm_admitted_total"].inc(0)
         self.metrics["dllm_failovers_total"].inc(0)
         self.metrics["dllm_replicas"].set(0)
@@ -116,10 +118,10 @@ class MetricsExporter:
         """Add one replica report (see ``replicas.monitor.ReplicaMonitor.report``)."""
         m = self.metrics
         self._last_seen[replica] = time.monotonic()
-        self._views[replica] = report["gauges"]
+        stats = self._views[replica] = ReplicaStats.model_validate(report["gauges"])
         self._calibration.setdefault(replica, CalibrationLog()).extend(report["calibration"])
         for name, key in _GAUGE_SOURCES.items():
-            m[name].labels(replica).set(report["gauges"][key])
+            m[name].labels(replica).set(getattr(stats, key))
         for name, key in (("dllm_steps_total", "steps"), ("dllm_forward_seconds_total", "forward_s"),
                           ("dllm_forward_cpu_seconds_total", "forward_cpu_s"), ("dllm_replica_cpu_seconds_total", "cpu_s"),
                           ("dllm_step_cpu_seconds_total", "step_cpu_s"),
@@ -143,14 +145,14 @@ class MetricsExporter:
         counters grow by what is new since its last report, the outstanding gauge is the
         sum over live ingress replicas."""
         m = self.metrics
-        last = self._ingress.get(ingress, (0.0, {}))[1]
-        m["dllm_admitted_total"].inc(max(0, report["admitted"] - last.get("admitted", 0)))
-        m["dllm_failovers_total"].inc(max(0, report["failovers"] - last.get("failovers", 0)))
-        seen = last.get("rejected", {})
-        for reason, count in report["rejected"].items():
-            m["dllm_rejected_total"].labels(reason).inc(max(0, count - seen.get(reason, 0)))
+        report = IngressReport.model_validate(report)
+        last = self._ingress[ingress][1] if ingress in self._ingress else IngressReport()
+        m["dllm_admitted_total"].inc(max(0, report.admitted - last.admitted))
+        m["dllm_failovers_total"].inc(max(0, report.failovers - last.failovers))
+        for reason, count in report.rejected.items():
+            m["dllm_rejected_total"].labels(reason).inc(max(0, count - last.rejected.get(reason, 0)))
         # the first report of an ingress also counts its start-up
-        m["dllm_ingress_cpu_seconds_total"].inc(max(0.0, report["cpu_s"] - last.get("cpu_s", 0.0)))
+        m["dllm_ingress_cpu_seconds_total"].inc(max(0.0, report.cpu_s - last.cpu_s))
         self._ingress[ingress] = (time.monotonic(), report)
         self._prune()
 
@@ -172,20 +174,21 @@ class MetricsExporter:
         self._prune()
         now = time.monotonic()
         live = self._live_ingresses()
-        return {"ingresses": len(live), "stopped": sum(1 for r in live if r.get("draining")),
-                "in_flight": sum(r.get("in_flight", 0) for r in live),
-                "outstanding": sum(r["outstanding"] for r in live), "age_s": now - self._started}
+        return {"ingresses": len(live), "stopped": sum(1 for r in live if r.draining),
+                "in_flight": sum(r.in_flight for r in live),
+                "outstanding": sum(r.outstanding for r in live), "age_s": now - self._started}
 
-    def _live_ingresses(self) -> list[dict]:
-        """The last reports of the ingress replicas heard from within STALE_AFTER_S."""
+    def _live_ingresses(self) -> list[IngressReport]:
+        """The last reports of the ingress replicas heard from within ``stale_after_s``."""
         now = time.monotonic()
-        return [report for seen, report in self._ingress.values() if now - seen <= STALE_AFTER_S]
+        return [report for seen, report in self._ingress.values() if now - seen <= self.stale_after_s]
 
     def cluster_view(self) -> dict[str, dict]:
         """Latest routing stats per live replica, with their age in seconds."""
         self._prune()
         now = time.monotonic()
-        return {r: {**view, "age_s": now - self._last_seen[r]} for r, view in self._views.items()}
+        return {r: ReplicaView(**stats.model_dump(), age_s=now - self._last_seen[r]).model_dump()
+                for r, stats in self._views.items()}
 
     def calibration(self, window_s: float) -> dict[str, dict]:
         """What each live replica measured in the last ``window_s`` seconds, for
@@ -196,13 +199,13 @@ class MetricsExporter:
 
     def _prune(self) -> None:
         now = time.monotonic()
-        for replica in [r for r, t in self._last_seen.items() if now - t > STALE_AFTER_S]:
+        for replica in [r for r, t in self._last_seen.items() if now - t > self.stale_after_s]:
             del self._last_seen[replica], self._views[replica], self._calibration[replica]
             for name in _GAUGE_SOURCES:
                 self.metrics[name].remove(replica)
         self.metrics["dllm_replicas"].set(len(self._last_seen))
-        # an ingress silent for STALE_AFTER_S is gone; its last totals stay, so a late report adds nothing twice
-        self.metrics["dllm_admission_outstanding"].set(sum(r["outstanding"] for r in self._live_ingresses()))
+        # an ingress silent for stale_after_s is gone; its last totals stay, so a late report adds nothing twice
+        self.metrics["dllm_admission_outstanding"].set(sum(r.outstanding for r in self._live_ingresses()))
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -243,8 +246,8 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int,
 class MetricsActor(MetricsExporter):
     """Run as a named Ray actor: serves the registry on ``host:port`` from a thread."""
 
-    def __init__(self, host: str, port: int):
-        super().__init__()
+    def __init__(self, host: str, port: int, stale_after_s: float = MIN_STALE_S):
+        super().__init__(stale_after_s)
         self.address = f"http://{host}:{port}/metrics"
         self._server = serve_metrics(self.registry, host, port)
 

@@ -17,6 +17,7 @@ import time
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from replicas.messages import GenerateRequest
+from replicas.reports import MIN_STALE_S, ReplicaStats
 
 _avoid_until: dict[str, float] = {}  # replica id -> until when (monotonic) to rank it last
 
@@ -37,26 +38,34 @@ def _avoided(replica_id: str) -> bool:
 
 
 class DrainTimeRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, stale_after_s: float = 5.0, **kwargs) -> None:
+    def initialize_state(self, stale_after_s: float = MIN_STALE_S, **kwargs) -> None:
         self.stale_after_s = stale_after_s
         self._routed_since_stats: dict[str, tuple[float, float]] = {}  # replica -> (stats_time, cost)
+        self._parsed: dict[str, tuple[dict, ReplicaStats]] = {}  # replica -> (Serve's dict, its record)
+
+    def stats(self, replica: RunningReplica) -> ReplicaStats:
+        """The replica's last routing stats (``record_routing_stats``), read once per collection."""
+        raw = replica.routing_stats or {}
+        key = replica.replica_id.unique_id
+        cached = self._parsed.get(key)
+        if cached is None or cached[0] is not raw:
+            cached = self._parsed[key] = (raw, ReplicaStats.model_validate(raw))
+        return cached[1]
 
     def predicted_drain_s(self, replica: RunningReplica) -> float | None:
-        stats = replica.routing_stats or {}
-        stats_time = stats.get("stats_time")
-        if stats_time is None or time.time() - stats_time > self.stale_after_s:
+        stats = self.stats(replica)
+        if stats.stats_time is None or time.time() - stats.stats_time > self.stale_after_s:
             return None
-        seen_at, routed = self._routed_since_stats.get(replica.replica_id.unique_id, (stats_time, 0.0))
-        if seen_at != stats_time:
+        seen_at, routed = self._routed_since_stats.get(replica.replica_id.unique_id, (stats.stats_time, 0.0))
+        if seen_at != stats.stats_time:
             routed = 0.0
-        rate = max(stats.get("drain_row_steps_per_s", stats.get("row_steps_per_s", 0.0)), 1e-9)
-        return (stats.get("step_debt", 0.0) + routed) / rate
+        return (stats.step_debt + routed) / stats.drain_rate
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         fresh, stale, failing = [], [], []
         for replica in candidate_replicas:
-            if _avoided(replica.replica_id.unique_id) or (replica.routing_stats or {}).get("failing_steps", 0):
+            if _avoided(replica.replica_id.unique_id) or self.stats(replica).failing_steps:
                 failing.append(replica)
                 continue
             drain = self.predicted_drain_s(replica)
@@ -69,7 +78,7 @@ class DrainTimeRouter(FIFOMixin, RequestRouter):
         replica = next((r for r in self.curr_replicas.values() if r.replica_id == replica_id), None)
         if replica is None or not cost:
             return
-        stats_time = (replica.routing_stats or {}).get("stats_time")
+        stats_time = self.stats(replica).stats_time
         seen_at, routed = self._routed_since_stats.get(replica_id.unique_id, (stats_time, 0.0))
         if seen_at != stats_time:
             routed = 0.0

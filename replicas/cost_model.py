@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from replicas.fill_timeout import fdfo_hold, optimal_fill_timeout
+from replicas.reports import ReplicaStats
 
 
 RATE_WINDOW_S = 2.0
@@ -76,11 +77,11 @@ class DrainModel:
         return {"c0": self.c0, "c1": self.c1, "max_batch": self.max_batch, "measured_rows": self.measured_rows}
 
     @classmethod
-    def from_stats(cls, stats: Mapping) -> "DrainModel | None":
+    def from_stats(cls, stats: ReplicaStats) -> "DrainModel | None":
         """The model in a replica's routing stats, or None when it has not measured one."""
-        if stats.get("c0") is None:
+        if stats.c0 is None:
             return None
-        return cls(stats["c0"], stats["c1"], int(stats["max_batch"]), int(stats["measured_rows"]))
+        return cls(stats.c0, stats.c1, stats.max_batch, stats.measured_rows)
 
 
 def mean_steps(counts: Mapping[int, float]) -> float | None:

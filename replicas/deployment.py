@@ -23,6 +23,7 @@ from replicas.engine import Engine
 from replicas.limits import aligned_head, max_request_cost, request_cost
 from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams, joined
 from replicas.monitor import ReplicaMonitor
+from replicas.reports import ReplicaStats
 from replicas.request import FinishReason, RequestOutput
 from replicas.settings import EngineConfig
 
@@ -134,7 +135,7 @@ class EngineReplica:
     # ---- Serve hooks -------------------------------------------------------------------
     async def record_routing_stats(self) -> dict:
         self._refresh_gauges()
-        return {**self.monitor.routing_stats(), **self._identity()}
+        return ReplicaStats(**self.monitor.routing_stats(), **self._identity()).model_dump()
 
     def _identity(self) -> dict:
         """Who this replica is and whether its steps are failing, with every stats report."""
@@ -238,7 +239,7 @@ class EngineReplica:
                     actor = ray.get_actor(self._metrics_actor["name"], namespace=self._metrics_actor["namespace"])
                 self._refresh_gauges()
                 report = self.monitor.report()
-                report["gauges"].update(self._identity())
+                report["gauges"] = ReplicaStats(**report["gauges"], **self._identity()).model_dump()
                 pending, sent_at = actor.push_replica.remote(self.replica_id, report), now
             except Exception as exc:  # the metrics actor may start later or restart
                 log.debug("metrics push failed: %s", exc)

@@ -30,7 +30,8 @@ class LiveCluster:
 
     def replicas(self, fresh_s: float = 5.0) -> dict[str, dict]:
         """The routing stats (pid and node included) of the replicas that reported in the
-        last ``fresh_s`` seconds, by replica id (the metrics actor keeps a silent one's for 30 s)."""
+        last ``fresh_s`` seconds, by replica id (the metrics actor keeps a silent one's for
+        ``replicas.reports.stale_after_s``)."""
         views = ray.get(self.metrics_actor().cluster_view.remote(), timeout=30)
         return {replica: view for replica, view in views.items() if view["age_s"] <= fresh_s}
 

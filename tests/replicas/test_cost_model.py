@@ -6,6 +6,7 @@ import pytest
 
 from replicas.cost_model import RATE_WINDOW_S, DrainModel, OnlineCostModel, mean_steps
 from replicas.monitor import ReplicaMonitor
+from replicas.reports import ReplicaStats
 
 
 def test_step_cost_is_fitted_by_least_squares():
@@ -59,7 +60,8 @@ def test_drain_model_rates_grow_with_the_batch_up_to_what_was_measured():
     assert drain.measured_rows == 8 and drain.max_batch == 16
     assert drain.rate(1) == pytest.approx(1 / 0.0025)
     assert drain.rate() == drain.rate(8) == pytest.approx(8 / 0.006)  # never extrapolated past 8 rows
-    assert DrainModel.from_stats(drain.as_stats()) == drain and DrainModel.from_stats({}) is None
+    assert DrainModel.from_stats(ReplicaStats(**drain.as_stats())) == drain
+    assert DrainModel.from_stats(ReplicaStats()) is None
     # the longest request alone: blocks x mean steps per block x a full batch's step
     assert model.request_alone_s(10) == pytest.approx(10 * 2.5 * (0.002 + 0.0005 * 16))
 
@@ -81,7 +83,7 @@ def test_monitor_reports_the_drain_model_and_longest_request():
     assert stats["drain_row_steps_per_s"] == pytest.approx(16 / 0.039)
     assert stats["predicted_drain_s"] == pytest.approx(390 / stats["drain_row_steps_per_s"])
     assert stats["longest_request_s"] == pytest.approx(31 * 2 * 0.039)
-    assert DrainModel.from_stats(stats) == model.drain_model()
+    assert DrainModel.from_stats(ReplicaStats(**stats)) == model.drain_model()
     scaling = monitor.autoscaling_stats()
     assert scaling["drain_row_steps_per_s"] == stats["drain_row_steps_per_s"]
     assert scaling["longest_request_s"] == stats["longest_request_s"]
