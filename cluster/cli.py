@@ -8,11 +8,13 @@ import enum
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import threading
 import time
 import types
+from pathlib import Path
 from typing import Literal, Union, get_args, get_origin
 
 import yaml
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 
 ENGINE_DEST = "engine."  # `generate`'s engine flags land at engine.<field>
 REPLICA_DEST = "replica."  # `up`'s replica flags land at their config key, replica.<field>
+RAY_TOKEN_FILE = Path.home() / ".ray" / "auth_token"  # Ray's token of the clusters started on this machine
 
 
 def _yaml_mapping(text: str) -> dict:
@@ -283,6 +286,8 @@ def drain(config, interrupted: threading.Event) -> str:
 
 
 def cmd_up(args) -> int:
+    import ray
+
     from cluster.app import check_ports_free, deploy, shutdown, wait_until_admitting
     from cluster.auth import load_keys
     from cluster.request_path import LocalRequestPath
@@ -323,7 +328,9 @@ def cmd_up(args) -> int:
         signal.signal(signal.SIGINT, on_sigint)
         base = f"http://{config.host}:{config.port}"
         auth = " -H \"Authorization: Bearer $KEY\"" if keys else ""
-        print(f"OpenAI API: {base}/v1\nmetrics:    {metrics_url}\ntry:\n"
+        ray_address = ray.get_runtime_context().gcs_address  # what `status` needs when several clusters run here
+        print(f"OpenAI API: {base}/v1\nmetrics:    {metrics_url}\nstatus:     dllm-serve status --address {ray_address}\n"
+              f"try:\n"
               f"  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} "
               f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": \"{_EXAMPLE_PROMPT}\", \"max_tokens\": 32}}'\n"
               f"ready; Ctrl-C stops (SIGTERM drains first: up to {config.drain_timeout_s:g} s)", flush=True)
@@ -341,6 +348,11 @@ def cmd_up(args) -> int:
 
 
 def cmd_status(args) -> int:
+    if args.address != "auto" and "RAY_AUTH_MODE" not in os.environ and RAY_TOKEN_FILE.exists():
+        # Ray authenticates with the local token only for the cluster it finds itself; a
+        # local cluster named by its address (`up` prints it) needs it too. Ray reads the
+        # mode once, when it is imported: set it first.
+        os.environ["RAY_AUTH_MODE"] = "token"
     from cluster.app import cluster_status
 
     status = cluster_status(args.address)
@@ -444,7 +456,8 @@ def _add_engine_commands(commands) -> None:
     up.set_defaults(func=cmd_up)
 
     status = commands.add_parser("status", help="replicas of a running cluster and their stats")
-    status.add_argument("--address", default="auto", help="Ray address (default: the local cluster)")
+    status.add_argument("--address", default="auto",
+                        help="Ray address, as `up` prints it (default: the local cluster Ray finds, the latest started)")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
 

@@ -194,7 +194,7 @@ def test_64_concurrent_requests_on_two_replicas_match_offline_accuracy(cluster):
     responses = asyncio.run(post_all(cluster.base_url, bodies, concurrency=64))
     assert [r.status_code for r in responses] == [200] * len(bodies)
     payloads = [r.json() for r in responses]
-    assert {p["dllm"]["replica"] for p in payloads} == set(json.loads(_status_json())["replicas"])
+    assert {p["dllm"]["replica"] for p in payloads} == set(json.loads(_status_json(cluster))["replicas"])
     assert len({p["dllm"]["replica"] for p in payloads}) == 2
     http_outputs = [RequestOutput("", [], p["choices"][0]["text"]) for p in payloads]
     http_accuracy = score(requests, http_outputs)["request_accuracy"]
@@ -203,8 +203,10 @@ def test_64_concurrent_requests_on_two_replicas_match_offline_accuracy(cluster):
     assert abs(http_accuracy - offline_accuracy) <= 0.01
 
 
-def _status_json() -> str:
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--json"],
+def _status_json(cluster) -> str:
+    """`dllm-serve status --json` of ``cluster`` (at the Ray address its `up` printed: other
+    clusters of the suite run on this machine too)."""
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--json", "--address", cluster.ray_address],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout
