@@ -132,7 +132,7 @@ def cmd_train_tiny(args) -> int:
 
 
 def cmd_eval_tiny(args) -> int:
-    from replicas.tiny.evaluation import evaluate_tiny
+    from loadgen.bench.evaluation import evaluate_tiny
 
     report = evaluate_tiny(args.model, modes=args.modes, batch_sizes=args.batch_sizes,
                            num_requests=args.requests, algorithm=args.algorithm)
@@ -141,7 +141,7 @@ def cmd_eval_tiny(args) -> int:
 
 
 def report_table(report: dict) -> str:
-    from replicas.tiny.evaluation import format_report
+    from loadgen.bench.evaluation import format_report
 
     return format_report(report)
 
@@ -164,13 +164,13 @@ def _calibration_writer(path: str | None, max_batch: int):
 
 def cmd_bench(args) -> int:
     if args.target == "engine":
-        from replicas.tiny.bench import bench_engine
+        from loadgen.bench.engine import bench_engine
 
         result = bench_engine(args.model, num_requests=args.requests, max_batch=args.max_batch, rounds=args.rounds,
                               workload=args.workload,
                               on_fdfo_run=_calibration_writer(args.calibration, args.max_batch))
     elif args.target == "canvas":
-        from replicas.canvas_bench import bench_canvas
+        from loadgen.bench.canvas import bench_canvas
 
         result = bench_canvas(tuple(args.batch_sizes), args.prompt_len, args.max_tokens, args.steps, args.rounds,
                               d_model=args.d_model, layers=args.layers, mlp=int(args.d_model * 2.75))

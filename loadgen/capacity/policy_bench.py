@@ -17,8 +17,8 @@ from replicas.async_engine import AsyncEngine
 from replicas.batching import MODES
 from replicas.engine import Engine, EngineConfig
 from replicas.models import load_model, load_tokenizer
-from replicas.tiny.bench import run_closed_batch
-from replicas.tiny.evaluation import tiny_params
+from loadgen.bench.engine import run_closed_batch
+from loadgen.bench.evaluation import tiny_params
 
 
 async def _drive(engine: Engine, times: list[float], prompts: list[str]) -> list[dict]:

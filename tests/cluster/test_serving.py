@@ -13,7 +13,7 @@ import pytest
 
 from cluster.metrics import METRICS
 from replicas.engine import Engine, EngineConfig
-from replicas.tiny.evaluation import score, tiny_params
+from loadgen.bench.evaluation import score, tiny_params
 from replicas.tiny.task import MAX_TOKENS as TINY_MAX_TOKENS
 from replicas.request import RequestOutput
 from replicas.models import load_tokenizer

@@ -20,7 +20,7 @@ from replicas.engine import Engine, EngineConfig
 from replicas.fill_timeout import fdfo_hold
 from replicas.models import load_model, load_tokenizer
 from replicas.tiny import task
-from replicas.tiny.evaluation import tiny_params
+from loadgen.bench.evaluation import tiny_params
 
 MAX_BATCH = 4
 REQUESTS = 24

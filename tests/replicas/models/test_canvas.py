@@ -4,7 +4,7 @@ apply, pages and batching) and the blocks' alignment."""
 import pytest
 import torch
 
-from replicas.canvas_bench import bench_canvas
+from loadgen.bench.canvas import bench_canvas
 from replicas.attention import DenseAttentionContext
 from replicas.engine import Engine, EngineConfig
 from replicas.messages import RequestError, SamplingParams

@@ -9,12 +9,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from replicas.closed_batch_model import ClosedRequest, closed_batch_seconds
+from loadgen.bench.closed_batch_model import ClosedRequest, closed_batch_seconds
+from loadgen.bench.evaluation import score, tiny_params
 from replicas.cost_model import fit_step_cost
 from replicas.engine import Engine, EngineConfig
 from replicas.models import load_model, load_tokenizer
 from replicas.tiny import task
-from replicas.tiny.evaluation import score, tiny_params
 
 BENCH_SEED = 7
 BENCH_MODES = ("fdfo", "sync", "static")
@@ -50,7 +50,7 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
 
     ``tokens_per_forward``: committed tokens per row-forward (rows in a forward, idle rows
     included). ``ideal_fdfo_over_*``: the ratio with zero host overhead, from each mode's
-    own measured steps per block (``replicas.closed_batch_model``) and a forward cost
+    own measured steps per block (``loadgen.bench.closed_batch_model``) and a forward cost
     ``c0 + c1 * tokens`` fitted to the run's forwards; ``efficiency_vs_ideal``: measured /
     ideal. ``on_fdfo_run(step_stats, outputs)`` receives the first fdfo run (e.g. to fit
     a calibration).

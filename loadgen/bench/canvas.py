@@ -18,8 +18,8 @@ import time
 import torch
 
 from replicas.engine import Engine, EngineConfig
-from replicas.models.llada import LLaDAConfig, LLaDAModelLM
 from replicas.messages import SamplingParams
+from replicas.models.llada import LLaDAConfig, LLaDAModelLM
 
 LLADA_MASK_ID, LLADA_EOS_ID, LLADA_VOCAB = 126336, 126081, 126464
 
