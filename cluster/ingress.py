@@ -54,11 +54,11 @@ from cluster.errors import APIError, bad_request, install_error_handlers, intern
 from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from cluster.request_path import path_in_this_process
-from replicas.limits import aligned_head, max_request_cost
+from replicas.limits import aligned_head
 from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, SamplingParams, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
 from replicas.reports import IngressReport, stale_after_s
-from replicas.settings import blocks_aligned, resolve_algorithm, resolve_canvas
+from replicas.settings import ServingShape, resolve_algorithm
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Ingress:
         self.spec = load_model_spec(self.config.model, self.config.replica.model_overrides)
         default_name, default_params = resolve_algorithm(self.config.replica, self.spec)
         get_algorithm(default_name).make_params(default_params)  # a bad default fails at start
-        self.max_model_len = self.config.replica.max_model_len or self.spec.max_positions
+        self.shape = ServingShape.of(self.config.replica, self.spec)  # what the replicas serve
         self.admission = AdmissionController(self.config.admission, self.config.slo.latency_s,
                                              self.config.autoscaling.min_replicas,
                                              stale_after_s=stale_after_s(self.config.stats_period_s))
@@ -114,8 +114,8 @@ class Ingress:
         self.admitted = 0
         self.failovers = 0
         self.rejected: Counter[str] = Counter()
-        failover = (self.config.failover.max_attempts, self.config.failover.backoff_s, self.spec.block_length,
-                    blocks_aligned(self.config.replica, self.spec))
+        failover = (self.config.failover.max_attempts, self.config.failover.backoff_s, self.shape.block_length,
+                    self.shape.aligned)
         self.failover = Failover(lambda job: self.replicas.generate.remote(job), *failover,
                                  on_failover=self._count_failover)
         self.failover_unary = Failover(self._unary, *failover, on_failover=self._count_failover)
@@ -281,11 +281,11 @@ class Ingress:
         max_tokens = self._max_tokens(body)
         if max_tokens <= 0:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        if max_tokens > self.max_model_len:
-            raise bad_request(f"max_tokens {max_tokens} is over this model's limit of {self.max_model_len}",
+        if max_tokens > self.shape.max_model_len:
+            raise bad_request(f"max_tokens {max_tokens} is over this model's limit of {self.shape.max_model_len}",
                               param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         suffix_ids = self._suffix_ids(body)
-        problem = request_problem(prompt_ids, max_tokens, self.spec, self.max_model_len, suffix_ids=suffix_ids)
+        problem = request_problem(prompt_ids, max_tokens, self.spec, self.shape.max_model_len, suffix_ids=suffix_ids)
         if problem is not None:
             chat = isinstance(body, protocol.ChatCompletionRequest)
             raise bad_request(problem.message, param="messages" if chat and problem.too_long else "prompt",
@@ -295,14 +295,14 @@ class Ingress:
         worst = algorithm.worst_case_steps(algorithm.make_params(algorithm_params), block,
                                            self.config.replica.fused_commit)
         # aligned blocks: the first answer block also holds the prompt's end
-        head = aligned_head(len(prompt_ids), block, blocks_aligned(self.config.replica, self.spec))
+        head = aligned_head(len(prompt_ids), block, self.shape.aligned)
         # the engine's own parameters (every field checked above: its checks cannot refuse them)
         params = SamplingParams(
             max_tokens=max_tokens, stop=tuple(body.stop or ()), algorithm=algorithm_name,
             algorithm_params=algorithm_params, ignore_eos=body.ignore_eos, logprobs=body.logprobs_asked,
             timeout_s=min((t for t in (self.config.request_timeout_s, body.deadline_s) if t is not None), default=None),
             suffix_ids=suffix_ids)
-        cost = self.admission.cost(head + max_tokens, block, worst, max_request_cost(self.max_model_len, block))
+        cost = self.admission.cost(head + max_tokens, block, worst, self.shape.max_cost)
         return GenerateRequest(protocol.new_id("cmpl"), prompt_ids, params, cost)
 
     def _suffix_ids(self, body: protocol.SamplingFields) -> tuple[int, ...]:
@@ -310,7 +310,7 @@ class Ingress:
         suffix = getattr(body, "suffix", None)
         if not suffix:
             return ()
-        if resolve_canvas(self.config.replica, self.spec) != "full":
+        if self.shape.canvas != "full":
             raise bad_request(f"{INFILL_NEEDS}; this model is {'bidirectional on the block canvas' if self.spec.bidirectional else 'block-causal'}",
                               param="suffix")
         return tuple(self.tokenizer(suffix, add_special_tokens=False, split_special_tokens=True)["input_ids"])
@@ -344,7 +344,7 @@ class Ingress:
 
     async def _serve(self, body: protocol.SamplingFields, chat: bool, slot: KeySlot):
         # the bound for its output blocks, before the prompt is tokenized (checked there)
-        blocks = math.ceil(min(max(self._max_tokens(body), 1), self.max_model_len) / self.spec.block_length)
+        blocks = math.ceil(min(max(self._max_tokens(body), 1), self.shape.max_model_len) / self.spec.block_length)
         self._refuse_if(self.admission.quick_refusal(blocks * body.n, body.deadline_s))
         if _prompt_chars(body) <= INLINE_PREPARE_CHARS:
             job = self._prepare(body, self._prompt(body))

@@ -20,7 +20,7 @@ import torch
 
 from replicas.async_engine import AsyncEngine
 from replicas.engine import Engine
-from replicas.limits import aligned_head, max_request_cost, request_cost
+from replicas.limits import aligned_head, request_cost
 from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams, joined
 from replicas.monitor import ReplicaMonitor
 from replicas.reports import ReplicaStats
@@ -43,7 +43,7 @@ class EngineReplica:
         engine.warm_up()  # the first report carries a measured step cost: admission is right from the start
         self.engine = engine
         self.monitor = ReplicaMonitor(initial_row_steps_per_s, cost_model=engine.cost_model,
-                                      longest_blocks=max(1, engine.max_pages_per_request - 1))  # one prompt page
+                                      longest_blocks=max(1, engine.shape.max_pages_per_request - 1))  # one prompt page
         self._refresh_gauges()
         self.stall_timeout_s = stall_timeout_s
         self.unhealthy_after_failed_steps = unhealthy_after_failed_steps
@@ -80,8 +80,9 @@ class EngineReplica:
         algorithm, algorithm_params = self.engine.algorithm_for(params)
         block = self.engine.block_length
         worst = algorithm.worst_case_steps(algorithm_params, block, self.engine.config.fused_commit)
-        head = aligned_head(len(prompt_ids), block, self.engine.aligned)
-        return request_cost(head + params.max_tokens, block, worst, max_request_cost(self.engine.max_model_len, block))
+        shape = self.engine.shape
+        head = aligned_head(len(prompt_ids), block, shape.aligned)
+        return request_cost(head + params.max_tokens, block, worst, shape.max_cost)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream one chunk per committed block of a tokenized request."""

@@ -34,7 +34,7 @@ from replicas.request import FinishReason, Request, RequestOutput
 from replicas.rows import RowTable
 from replicas.runner import ModelRunner
 from replicas.scheduler import Scheduler
-from replicas.settings import EngineConfig, blocks_aligned, resolve_algorithm, resolve_canvas
+from replicas.settings import EngineConfig, ServingShape, resolve_algorithm
 from replicas.stats import EngineTotals, StepStats
 
 log = logging.getLogger(__name__)
@@ -70,37 +70,22 @@ class Engine:
         self.spec = spec
         self.tokenizer = tokenizer
         self.block_length = size = spec.block_length
-        self.max_model_len = config.max_model_len or spec.max_positions
-        if self.max_model_len > spec.max_positions:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {spec.max_positions} positions")
-        self.max_pages_per_request = self.max_model_len // size
-        num_pages = config.num_pages or config.max_batch * self.max_pages_per_request + 1
-        budget = config.max_tokens_per_step or max(2048, 2 * config.max_batch * size)
-        forced = config.max_batch * size * (2 if config.fused_commit else 1)  # what a step feeds whatever the budget
-        if budget < forced:
-            writes = " and the writes of their last committed blocks (fused_commit)" if config.fused_commit else ""
-            raise ValueError(f"max_tokens_per_step {budget} cannot hold {config.max_batch} blocks of {size}{writes}: "
-                             f"it must be at least {forced}")
+        self.shape = shape = ServingShape.of(config, spec)
         default_name, default_params = resolve_algorithm(config, spec)
         get_algorithm(default_name).make_params(default_params)  # validate early
         device = torch.device(config.device)
         dtype = torch_dtype(config)
         self.model = model.to(device=device, dtype=dtype).eval()
-        self.pool = PagePool(num_pages)
-        self.rows = RowTable(config.max_batch, self.max_pages_per_request, size, pad_id=spec.eos_token_id)
-        kv_cache = KVCache(spec.num_layers, num_pages, size, spec.num_kv_heads, spec.head_dim, dtype, device)
-        self.canvas = resolve_canvas(config, spec)
+        self.pool = PagePool(shape.num_pages)
+        self.rows = RowTable(config.max_batch, shape.max_pages_per_request, size, pad_id=spec.eos_token_id)
+        kv_cache = KVCache(spec.num_layers, shape.num_pages, size, spec.num_kv_heads, spec.head_dim, dtype, device)
         self.runner = ModelRunner(self.model, self.rows, kv_cache, device, config.kv_cache,
-                                  config.attention_backend, self.canvas)
-        self.aligned = blocks_aligned(config, spec)
-        if self.aligned and self.canvas == "full":
-            raise ValueError("block_alignment 'prompt' is the block-causal models' reference; "
-                             "with canvas 'full' use block_alignment 'page'")
+                                  config.attention_backend, shape.canvas)
         self.cost_model = OnlineCostModel(config.max_batch, clock=clock)
         self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.rows, config.max_batch,
-                                   budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,
+                                   shape.token_budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,
                                    fdfo_hold=self.cost_model.fdfo_hold if config.fdfo_fill_hold else (lambda rows: 0.0),
-                                   clock=clock, full_canvas=self.canvas == "full")
+                                   clock=clock, full_canvas=shape.canvas == "full")
         self.outputs = OutputProcessor(tokenizer, spec.end_token_ids, clock)
         self.totals = EngineTotals()
         self._requests: dict[str, Request] = {}
@@ -139,14 +124,14 @@ class Engine:
         """Validate and build a request (raises RequestError); does not enqueue it."""
         params = params or SamplingParams()
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        problem = request_problem(prompt_ids, params.max_tokens, self.spec, self.max_model_len, self.pool.capacity,
+        problem = request_problem(prompt_ids, params.max_tokens, self.spec, self.shape.max_model_len, self.pool.capacity,
                                   params.suffix_ids)
         if problem:
             raise RequestError(problem.message)
-        if params.suffix_ids and self.canvas != "full":
+        if params.suffix_ids and self.shape.canvas != "full":
             raise RequestError(INFILL_NEEDS)
         resume_error = resume_problem(params.resume_ids, params.max_tokens, self.spec,
-                                      len(prompt_ids) if self.aligned else 0)
+                                      len(prompt_ids) if self.shape.aligned else 0)
         if resume_error:
             raise RequestError(resume_error)
         algorithm, algorithm_params = self.algorithm_for(params)
@@ -159,7 +144,7 @@ class Engine:
             block_length=self.block_length,
             arrival_time=self.clock(),
             on_output=on_output,
-            aligned=self.aligned,
+            aligned=self.shape.aligned,
         )
         self.outputs.start(request)
         return request

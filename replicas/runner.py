@@ -54,9 +54,6 @@ class ModelRunner:
         spec = model.spec
         if canvas not in CANVASES:
             raise ValueError(f"canvas {canvas!r}; choose one of {list(CANVASES)}")
-        if canvas == "full" and not spec.bidirectional:
-            raise ValueError("canvas 'full' needs a bidirectional model: a block-causal one never attends "
-                             "to later blocks")
         self.full_canvas = canvas == "full"
         self.model = model
         self.rows = rows

@@ -8,11 +8,13 @@ command line's engine flags and their help are generated from its fields.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from replicas.batching import SchedulerMode
+from replicas.limits import max_request_cost
 
 if TYPE_CHECKING:
     from replicas.models.spec import ModelSpec
@@ -65,15 +67,44 @@ class EngineConfig(BaseModel):
         default_factory=dict, description="parameters of that default algorithm, e.g. {threshold: 0.9}")
 
 
-def blocks_aligned(config: EngineConfig, spec: ModelSpec) -> bool:
-    """Whether answer blocks are aligned to the sequence's start (``block_alignment``
-    'prompt', configured or the model's default)."""
-    return (config.block_alignment or spec.block_alignment) == "prompt"
+@dataclass(frozen=True)
+class ServingShape:
+    """What an engine's settings and its model fix for every request, computed once
+    (``of``): the engine, the replica, the ingress and the failover all read it here."""
 
+    block_length: int
+    max_model_len: int  # longest prompt + output
+    max_pages_per_request: int
+    num_pages: int  # the KV pool
+    token_budget: int  # tokens a step may feed
+    canvas: str  # in force: configured, else the model's (a block-causal model's is 'block')
+    aligned: bool  # answer blocks aligned to the sequence's start (block_alignment 'prompt')
+    max_cost: int  # the most row-steps a request is charged (``limits.max_request_cost``)
 
-def resolve_canvas(config: EngineConfig, spec: ModelSpec) -> str:
-    """The canvas in force: configured, else the model's (a block-causal model's is 'block')."""
-    return config.canvas or (spec.canvas if spec.bidirectional else "block")
+    @classmethod
+    def of(cls, config: EngineConfig, spec: ModelSpec) -> ServingShape:
+        """Raises ValueError for settings the model cannot serve."""
+        size = spec.block_length
+        max_model_len = config.max_model_len or spec.max_positions
+        if max_model_len > spec.max_positions:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {spec.max_positions} positions")
+        pages = max_model_len // size
+        budget = config.max_tokens_per_step or max(2048, 2 * config.max_batch * size)
+        forced = config.max_batch * size * (2 if config.fused_commit else 1)  # what a step feeds whatever the budget
+        if budget < forced:
+            writes = " and the writes of their last committed blocks (fused_commit)" if config.fused_commit else ""
+            raise ValueError(f"max_tokens_per_step {budget} cannot hold {config.max_batch} blocks of {size}{writes}: "
+                             f"it must be at least {forced}")
+        canvas = config.canvas or (spec.canvas if spec.bidirectional else "block")
+        if canvas == "full" and not spec.bidirectional:
+            raise ValueError("canvas 'full' needs a bidirectional model: a block-causal one never attends "
+                             "to later blocks")
+        aligned = (config.block_alignment or spec.block_alignment) == "prompt"
+        if aligned and canvas == "full":
+            raise ValueError("block_alignment 'prompt' is the block-causal models' reference; "
+                             "with canvas 'full' use block_alignment 'page'")
+        return cls(size, max_model_len, pages, config.num_pages or config.max_batch * pages + 1, budget, canvas,
+                   aligned, max_request_cost(max_model_len, size))
 
 
 def resolve_algorithm(config: EngineConfig, spec: ModelSpec, name: str | None = None,

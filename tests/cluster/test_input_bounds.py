@@ -159,7 +159,7 @@ def test_the_chat_and_prompt_limits_come_from_the_settings():
 
 def test_admission_cost_is_capped_at_what_one_replica_row_holds(ingress):
     _, instance = ingress
-    block, max_len = instance.spec.block_length, instance.max_model_len
+    block, max_len = instance.spec.block_length, instance.shape.max_model_len
     cap = max_request_cost(max_len, block)
     assert cap == (max_len // block - 1) * (block + 1)
     body = protocol.CompletionRequest(model="tiny", prompt="1", max_tokens=max_len - block, algorithm="joint_threshold",

@@ -144,7 +144,7 @@ def test_replica_streams_chunks_and_refuses_with_the_shared_message(replica):
     assert all(isinstance(c, GenerateChunk) for c in ok) and ok[-1].finished and ok[-1].error is None
     assert ok[-1].completion_tokens == sum(len(c.token_ids) for c in ok) and ok[-1].replica == "local"
     bad = asyncio.run(_chunks(replica, GenerateRequest("bad", [1, spec.mask_token_id], SamplingParams(16))))
-    expected = request_problem([1, spec.mask_token_id], 16, spec, replica.engine.max_model_len).message
+    expected = request_problem([1, spec.mask_token_id], 16, spec, replica.engine.shape.max_model_len).message
     assert bad == [GenerateChunk.refusal(expected)]
 
 
@@ -154,7 +154,7 @@ def test_replica_streams_chunks_and_refuses_with_the_shared_message(replica):
 def test_engine_refuses_what_the_shared_check_refuses_with_its_message(replica, prompt_ids, max_tokens):
     engine = replica.engine
     prompt_ids = [5, engine.spec.mask_token_id] if prompt_ids == "mask" else prompt_ids
-    problem = request_problem(prompt_ids, max_tokens, engine.spec, engine.max_model_len, engine.pool.capacity)
+    problem = request_problem(prompt_ids, max_tokens, engine.spec, engine.shape.max_model_len, engine.pool.capacity)
     with pytest.raises(RequestError) as refused:
         engine.make_request(prompt_ids, SamplingParams(max_tokens=max_tokens))
     assert problem is not None and str(refused.value) == problem.message

@@ -15,8 +15,8 @@ from replicas.messages import RequestError, SamplingParams
     ("SDARForCausalLM", "block", True), ("LLaDA2MoeModelLM", "block", True)])
 def test_the_default_layout_is_the_models_reference(checkpoint_engine, arch, canvas, aligned):
     engine = checkpoint_engine(arch, max_batch=1)
-    assert (engine.canvas, engine.aligned) == (canvas, aligned)
-    assert not Engine.from_pretrained("tiny", EngineConfig(max_batch=1)).aligned  # trained on fresh pages
+    assert (engine.shape.canvas, engine.shape.aligned) == (canvas, aligned)
+    assert not Engine.from_pretrained("tiny", EngineConfig(max_batch=1)).shape.aligned  # trained on fresh pages
 
 
 def test_a_block_causal_model_refuses_the_full_canvas(checkpoint_engine):

@@ -86,6 +86,6 @@ def test_a_block_causal_model_refuses_a_suffix(checkpoint_engine, arch):
 
 def test_a_suffix_counts_in_the_length(checkpoint_engine):
     engine = checkpoint_engine("LLaDAModelLM", max_batch=1)
-    room = engine.max_model_len - 2 * engine.block_length
+    room = engine.shape.max_model_len - 2 * engine.block_length
     with pytest.raises(RequestError, match=r"and the suffix \(\d+ tokens\)"):
         engine.make_request(PROMPT, SamplingParams(max_tokens=room, suffix_ids=tuple(SUFFIX * 4)))

@@ -24,7 +24,7 @@ def engine_for(checkpoint_engine, make_engine):
 def committed_tokens(engine: Engine, blocks: int) -> int:
     """Answer tokens in the first ``blocks`` committed blocks."""
     size = engine.block_length
-    first = size - len(PROMPT) % size if engine.aligned else size
+    first = size - len(PROMPT) % size if engine.shape.aligned else size
     return first + (blocks - 1) * size
 
 
