@@ -15,7 +15,7 @@ from loadgen import client
 from loadgen.arrivals import MAX_REQUESTS, load_trace, poisson_times, tiny_prompts, with_prompts
 from loadgen.records import Arrival, LoadgenError, Record
 from loadgen.report import format_summary, format_sweep
-from loadgen.runner import Progress, run_open_loop
+from loadgen.loops import Progress, run_open_loop
 from loadgen.stats import summarize
 from replicas.tiny.task import MAX_TOKENS as TINY_MAX_TOKENS
 

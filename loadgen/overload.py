@@ -40,7 +40,7 @@ from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
 from loadgen.cli import add_endpoint_options, endpoint_from_args, positive_number, rate_list, run_command
 from loadgen.records import OK, REFUSED, Record
 from loadgen.report import format_table, number
-from loadgen.runner import Progress, run_closed_loop, run_open_loop
+from loadgen.loops import Progress, run_closed_loop, run_open_loop
 from loadgen.stats import percentile, summarize
 
 # role -> what the command line of its processes contains (Ray titles a worker "ray::<class>[.<method>]")

@@ -49,7 +49,7 @@ class EngineReplica:
         self.unhealthy_after_failed_steps = unhealthy_after_failed_steps
         self.replica_id = self._replica_tag()
         self.node_id = self._node_id()
-        self.runner = AsyncEngine(engine, on_step=self.monitor.on_step)
+        self.async_engine = AsyncEngine(engine, on_step=self.monitor.on_step)
         self._metrics_actor = metrics_actor
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, args=(stats_period_s,),
@@ -91,7 +91,7 @@ class EngineReplica:
         try:
             params = request.params
             cost = request.cost if request.cost is not None else self.worst_case_cost(request.prompt_ids, params)
-            stream = self.runner.generate(request.prompt_ids, params, request_id)
+            stream = self.async_engine.generate(request.prompt_ids, params, request_id)
             first_block = None
         except RequestError as exc:
             yield GenerateChunk.refusal(str(exc))
@@ -157,9 +157,9 @@ class EngineReplica:
         ``unhealthy_after_failed_steps`` failures in a row at once, after fewer when a probe
         request (one block) fails too; routers rank a failing replica last, so the probe
         is what tells a broken engine from one bad step."""
-        if not self.runner.alive:
+        if not self.async_engine.alive:
             raise RuntimeError("the engine loop thread has died")
-        stalled = self.runner.stalled_for()
+        stalled = self.async_engine.stalled_for()
         if stalled > self.stall_timeout_s:
             raise RuntimeError(f"the engine loop has not finished a step for {stalled:.0f} s with work pending")
         failed = self.engine.failed_steps_in_a_row
@@ -174,7 +174,7 @@ class EngineReplica:
         last = None
         try:
             async with asyncio.timeout(self.stall_timeout_s):
-                async for last in self.runner.generate([self.engine.spec.eos_token_id], params):
+                async for last in self.async_engine.generate([self.engine.spec.eos_token_id], params):
                     pass
         except TimeoutError:
             raise RuntimeError(f"a probe request did not finish within {self.stall_timeout_s:g} s") from None
@@ -201,9 +201,9 @@ class EngineReplica:
     def __del__(self):
         """Serve's graceful shutdown: in-flight requests are done; stop the threads."""
         self._stop.set()
-        runner = getattr(self, "runner", None)
-        if runner is not None:
-            runner.shutdown(drain_timeout=5.0)
+        async_engine = getattr(self, "async_engine", None)
+        if async_engine is not None:
+            async_engine.shutdown(drain_timeout=5.0)
 
     # ---- metrics push ------------------------------------------------------------------
     def _report_loop(self, period_s: float) -> None:

@@ -28,7 +28,7 @@ from replicas.logprobs import TokenLogprob, record_step
 from replicas.models import load_model, load_tokenizer
 from replicas.messages import INFILL_NEEDS, RequestError, SamplingParams, request_problem, resume_problem
 from replicas.output import OutputProcessor
-from replicas.batch import ScheduledBatch
+from replicas.scheduled_batch import ScheduledBatch
 from replicas.batching import SchedulerMode
 from replicas.request import FinishReason, Request, RequestOutput
 from replicas.rows import RowTable

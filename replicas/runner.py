@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from replicas.attention import BatchLayout, paged_context, resolve_backend
-from replicas.batch import ScheduledBatch
+from replicas.scheduled_batch import ScheduledBatch
 from replicas.kv_cache import KVCache, PagePool
 from replicas.rows import RowTable
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from replicas.batch import ScheduledBatch
+from replicas.scheduled_batch import ScheduledBatch
 from replicas.batching import (Phase, RowAction, SchedulerMode, admission_open, end_of_round,
                                may_hold_for_arrivals, waits_to_fill)
 from replicas.kv_cache import PagePool

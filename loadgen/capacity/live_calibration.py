@@ -38,7 +38,7 @@ from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
 from loadgen.capacity.calibration import LOAD_FIELDS, validate_calibration
 from loadgen.capacity.step_cost import fit_step_cost_by_load, step_calibration
 from loadgen.records import OK, LoadgenError, Record
-from loadgen.runner import Progress, run_open_loop
+from loadgen.loops import Progress, run_open_loop
 
 CALIBRATION_PATH = "/v1/dllm/calibration"
 REPORT_LAG_S = 2.0  # replicas report every stats_period_s (0.5 s by default)

@@ -22,7 +22,7 @@ from loadgen.bench.evaluation import tiny_params
 
 
 async def _drive(engine: Engine, times: list[float], prompts: list[str]) -> list[dict]:
-    runner = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine)
     params = tiny_params()
     start = time.monotonic()
 
@@ -30,7 +30,7 @@ async def _drive(engine: Engine, times: list[float], prompts: list[str]) -> list
         await asyncio.sleep(max(0.0, start + at - time.monotonic()))
         sent = time.monotonic()
         first = None
-        async for output in runner.generate(prompt, params):
+        async for output in async_engine.generate(prompt, params):
             if first is None and output.new_token_ids:
                 first = time.monotonic() - sent
         return {"latency_s": time.monotonic() - sent, "ttfb_s": first if first is not None else time.monotonic() - sent}
@@ -38,7 +38,7 @@ async def _drive(engine: Engine, times: list[float], prompts: list[str]) -> list
     try:
         return await asyncio.gather(*(one(t, p) for t, p in zip(times, prompts)))
     finally:
-        runner.shutdown(drain_timeout=0)
+        async_engine.shutdown(drain_timeout=0)
 
 
 def closed_batch_rate(net, tokenizer, prompts: list[str], max_batch: int) -> float:

@@ -17,7 +17,7 @@ import pytest
 
 from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
 from loadgen.records import ERROR, OK, REFUSED, Record
-from loadgen.runner import run_closed_loop, run_open_loop
+from loadgen.loops import run_closed_loop, run_open_loop
 from loadgen.stats import summarize
 from replicas.tiny.task import MAX_TOKENS as TINY_MAX_TOKENS
 from test_serving import series, total

@@ -116,7 +116,7 @@ def replica():
     replica = EngineReplica(*bound.init_args, **{**bound.init_kwargs, "metrics_actor": None})
     yield replica
     replica._stop.set()
-    replica.runner.shutdown(drain_timeout=5.0)
+    replica.async_engine.shutdown(drain_timeout=5.0)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-LOAD_GENERATOR = ["loadgen.cli", "loadgen.client", "loadgen.runner", "loadgen.arrivals", "loadgen.stats",
+LOAD_GENERATOR = ["loadgen.cli", "loadgen.client", "loadgen.loops", "loadgen.arrivals", "loadgen.stats",
                   "loadgen.report", "loadgen.records", "loadgen.plot",
                   "loadgen.overload"]
 CAPACITY = ["loadgen.capacity.simulator", "loadgen.capacity.calibration", "loadgen.capacity.step_cost",

@@ -15,7 +15,7 @@ from cluster.cli import main
 from loadgen import overload
 from loadgen.client import Endpoint
 from loadgen.records import ERROR, OK, REFUSED, Record
-from loadgen.runner import run_closed_loop
+from loadgen.loops import run_closed_loop
 from tests.loadgen.http_stand_in import stand_in
 
 

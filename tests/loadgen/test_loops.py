@@ -4,7 +4,7 @@ import asyncio
 import io
 
 from loadgen.records import OK, Arrival, Record
-from loadgen.runner import Progress, run_open_loop
+from loadgen.loops import Progress, run_open_loop
 
 
 def test_requests_leave_on_schedule_while_earlier_ones_run():
