@@ -269,7 +269,7 @@ class Engine:
                 self.cost_model.observe_finished(len(request.committed_block_steps))
                 self._requests.pop(request.request_id, None)
             request.emit(OutputProcessor.snapshot(request, new_ids, new_text, new_logprobs=new_logprobs))
-        return [requests[i].block_steps for i in added]
+        return [requests[i].steps_in_block for i in added]
 
     def _commit(self, request: Request, block: torch.Tensor) -> tuple[list[int], str, list[TokenLogprob] | None]:
         """Commit the request's done block: its new ids and text, and their log-probabilities

@@ -64,7 +64,7 @@ class Request:
     reserved_pages: int = 0
     prefilled_pages: int = 0  # pages of the prefix (prompt, resumed blocks) whose KV is in the cache
     block_index: int = 0  # index of the active answer block
-    block_steps: int = 0  # forwards of the active block so far
+    steps_in_block: int = 0  # forwards of the active block so far
     committed_block_steps: list[int] = field(default_factory=list)
     unwritten_page: int | None = None  # page index of a committed block whose final KV is not cached yet
     num_steps: int = 0

@@ -74,7 +74,7 @@ class ModelRunner:
         stepped block's first step, or every step without a cache)."""
         if not self.refreshes:
             return torch.zeros_like(batch.stepped)
-        return batch.stepped & (self.refresh_every_step or batch.block_steps == 0)
+        return batch.stepped & (self.refresh_every_step or batch.steps_in_block == 0)
 
     def _units(self, batch: ScheduledBatch, refreshed: torch.Tensor):
         """The units to compute: the scheduler's, with refreshed rows expanded to every page

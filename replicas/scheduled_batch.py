@@ -27,7 +27,7 @@ class ScheduledBatch:
     unit_is_block: torch.Tensor  # [U] bool
     unit_scratch: torch.Tensor  # [U] bool: write K/V to the scratch page
     stepped: torch.Tensor  # [R] bool over the block units
-    block_steps: torch.Tensor  # [R] steps each block unit's block took before this one
+    steps_in_block: torch.Tensor  # [R] steps each block unit's block took before this one
 
     @property
     def block_rows(self) -> torch.Tensor:

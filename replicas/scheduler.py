@@ -103,10 +103,10 @@ class Scheduler:
         for request, block_done, stale in zip(self.stepped, done, kv_stale, strict=True):
             if request.phase is not Phase.DENOISE:
                 continue
-            request.block_steps += 1
+            request.steps_in_block += 1
             request.num_steps += 1
             if block_done:
-                request.committed_block_steps.append(request.block_steps)
+                request.committed_block_steps.append(request.steps_in_block)
                 request.phase = Phase.BLOCK_DONE if request.finish_reason is None else Phase.FINISHED
                 if stale and request.phase is Phase.BLOCK_DONE:
                     request.unwritten_page = request.active_page_index
@@ -178,7 +178,7 @@ class Scheduler:
             request.pages.append(page)
         self._block_starts.append((request.row, request.active_page_index, page, request.answer_offset))
         request.algorithm_state = request.algorithm.init_state(request.algorithm_params, request.block_index)
-        request.block_steps = 0
+        request.steps_in_block = 0
         request.phase = Phase.DENOISE
 
     def _write_block_starts(self) -> None:
@@ -207,7 +207,7 @@ class Scheduler:
             (r.phase is not Phase.PREFILL) + (r.phase is Phase.DENOISE and r.unwritten_page is not None)
             for r in self.running)
         unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch = [], [], [], [], []
-        stepped, block_steps = [], []
+        stepped, steps_in_block = [], []
 
         def add_unit(request: Request, page_index: int, count: int, is_block: bool, scratch: bool = False) -> None:
             unit_row.append(request.row)
@@ -239,7 +239,7 @@ class Scheduler:
                      scratch=idle and request.unwritten_page is None)
             request.unwritten_page = None
             stepped.append(not idle)
-            block_steps.append(request.block_steps)
+            steps_in_block.append(request.steps_in_block)
             self.scheduled.append(request)
             if not idle:
                 self.stepped.append(request)
@@ -255,7 +255,7 @@ class Scheduler:
             unit_is_block=as_tensor(unit_is_block, torch.bool),
             unit_scratch=as_tensor(unit_scratch, torch.bool),
             stepped=as_tensor(stepped, torch.bool),
-            block_steps=as_tensor(block_steps),
+            steps_in_block=as_tensor(steps_in_block),
         )
 
     @staticmethod

@@ -115,6 +115,6 @@ def test_runner_works_from_the_plain_batch_alone(random_model):
     batch = ScheduledBatch(
         num_rows=1, unit_row=torch.tensor([row] * 3), unit_page_index=torch.tensor([0, 1, 2]),
         unit_count=torch.tensor([size, 4, size]), unit_is_block=torch.tensor([False, False, True]),
-        unit_scratch=torch.tensor([False] * 3), stepped=torch.tensor([True]), block_steps=torch.tensor([0]))
+        unit_scratch=torch.tensor([False] * 3), stepped=torch.tensor([True]), steps_in_block=torch.tensor([0]))
     logits, _ = runner.forward(batch)
     torch.testing.assert_close(logits[0], dense_block_logits(random_model, prompt, [], block), rtol=1e-4, atol=1e-4)

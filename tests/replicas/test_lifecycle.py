@@ -99,7 +99,7 @@ def test_no_page_leak_with_aborts(make_engine, mode):
         steps += 1
         for request_id in list(to_abort):
             request = engine._requests.get(request_id)
-            if request is not None and request.block_steps > 0 and rng.random() < 0.3:
+            if request is not None and request.steps_in_block > 0 and rng.random() < 0.3:
                 engine.abort(request_id)
                 to_abort.discard(request_id)
     assert set(finals) == set(ids)  # every request got exactly one final answer

@@ -41,7 +41,7 @@ def run_step(scheduler, steps_per_block):
     assert batch.stepped.sum() == len(scheduler.stepped)
     done = []
     for request in scheduler.stepped:
-        block_done = request.block_steps + 1 == steps_per_block[request.request_id]
+        block_done = request.steps_in_block + 1 == steps_per_block[request.request_id]
         if block_done and request.block_index == request.max_blocks - 1:
             request.finish_reason = FinishReason.LENGTH
         done.append(block_done)
@@ -95,8 +95,8 @@ def test_removed_request_is_skipped_by_the_update():
     scheduler.schedule()
     scheduler.remove(a)  # its algorithm failed
     scheduler.update_from_step([True, False])
-    assert a.phase is Phase.FINISHED and a.row == -1 and a.block_steps == 0
-    assert b.phase is Phase.DENOISE and b.block_steps == 1
+    assert a.phase is Phase.FINISHED and a.row == -1 and a.steps_in_block == 0
+    assert b.phase is Phase.DENOISE and b.steps_in_block == 1
 
 
 def test_waits_run_on_the_given_clock():

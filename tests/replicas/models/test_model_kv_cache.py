@@ -25,7 +25,7 @@ def record_steps(engine, prompt, max_tokens):
         if request is not None:
             block = engine.rows.blocks(torch.tensor([request.row]), torch.tensor([request.active_page_index]))[0]
             committed = [request.output_ids[j * size:(j + 1) * size] for j in range(request.block_index)]
-            step = request.block_steps
+            step = request.steps_in_block
             later = request.max_blocks - request.block_index - 1
         logits, seconds = forward(batch)
         if request is not None:
