@@ -220,7 +220,7 @@ class Engine:
         committed = self._denoise_and_commit(batch, logits)
         stats = StepStats(
             batch_size=batch.num_rows,
-            active_rows=int(batch.stepped.sum()),
+            active_rows=int(batch.advances.sum()),
             num_tokens=batch.num_tokens,
             forward_s=forward_s,
             step_s=time.perf_counter() - start,
@@ -242,8 +242,8 @@ class Engine:
         requests = self.scheduler.stepped
         if not requests:
             return []
-        if not bool(batch.stepped.all()):
-            logits = logits[batch.stepped]
+        if not bool(batch.advances.all()):
+            logits = logits[batch.advances]
         rows = torch.tensor([r.row for r in requests])
         page_indices = torch.tensor([r.active_page_index for r in requests])
         blocks = self.rows.blocks(rows, page_indices)

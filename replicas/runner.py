@@ -73,8 +73,8 @@ class ModelRunner:
         """[R] bool over block units: recompute the row's whole sequence this step (a
         stepped block's first step, or every step without a cache)."""
         if not self.refreshes:
-            return torch.zeros_like(batch.stepped)
-        return batch.stepped & (self.refresh_every_step or batch.steps_in_block == 0)
+            return torch.zeros_like(batch.advances)
+        return batch.advances & (self.refresh_every_step or batch.steps_in_block == 0)
 
     def _units(self, batch: ScheduledBatch, refreshed: torch.Tensor):
         """The units to compute: the scheduler's, with refreshed rows expanded to every page

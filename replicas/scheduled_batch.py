@@ -15,7 +15,7 @@ class ScheduledBatch:
     is ``unit_count[u]`` tokens at the start of page index ``unit_page_index[u]`` of row
     ``unit_row[u]`` (a ``RowTable`` row; prompt chunks are page aligned, so every unit
     starts at offset 0). Block units are the rows' active blocks, whose logits are
-    computed; ``stepped`` says which of them the algorithm advances (the others are idle
+    computed; ``advances`` says which of them the algorithm advances (the others are idle
     rows that the sync/static baselines still compute, and whose writes go to the scratch
     page).
     """
@@ -26,7 +26,7 @@ class ScheduledBatch:
     unit_count: torch.Tensor  # [U]
     unit_is_block: torch.Tensor  # [U] bool
     unit_scratch: torch.Tensor  # [U] bool: write K/V to the scratch page
-    stepped: torch.Tensor  # [R] bool over the block units
+    advances: torch.Tensor  # [R] bool over the block units (their requests: ``Scheduler.stepped``)
     steps_in_block: torch.Tensor  # [R] steps each block unit's block took before this one
 
     @property

@@ -207,7 +207,7 @@ class Scheduler:
             (r.phase is not Phase.PREFILL) + (r.phase is Phase.DENOISE and r.unwritten_page is not None)
             for r in self.running)
         unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch = [], [], [], [], []
-        stepped, steps_in_block = [], []
+        advances, steps_in_block = [], []
 
         def add_unit(request: Request, page_index: int, count: int, is_block: bool, scratch: bool = False) -> None:
             unit_row.append(request.row)
@@ -238,7 +238,7 @@ class Scheduler:
             add_unit(request, request.active_page_index, size, True,
                      scratch=idle and request.unwritten_page is None)
             request.unwritten_page = None
-            stepped.append(not idle)
+            advances.append(not idle)
             steps_in_block.append(request.steps_in_block)
             self.scheduled.append(request)
             if not idle:
@@ -254,7 +254,7 @@ class Scheduler:
             unit_count=as_tensor(unit_count),
             unit_is_block=as_tensor(unit_is_block, torch.bool),
             unit_scratch=as_tensor(unit_scratch, torch.bool),
-            stepped=as_tensor(stepped, torch.bool),
+            advances=as_tensor(advances, torch.bool),
             steps_in_block=as_tensor(steps_in_block),
         )
 

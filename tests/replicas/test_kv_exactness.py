@@ -42,7 +42,7 @@ def record_block_logits(engine):
                                     torch.tensor([r.active_page_index for r in requests], dtype=torch.long)).tolist()
         committed = [[r.output_ids[j * size:(j + 1) * size] for j in range(r.block_index)] for r in requests]
         logits, seconds = forward(batch)
-        stepped_logits = logits[batch.stepped] if len(logits) else logits
+        stepped_logits = logits[batch.advances] if len(logits) else logits
         for k, request in enumerate(requests):
             seen.append((request.prompt_ids, committed[k], blocks[k], stepped_logits[k]))
         return logits, seconds
@@ -115,6 +115,6 @@ def test_runner_works_from_the_plain_batch_alone(random_model):
     batch = ScheduledBatch(
         num_rows=1, unit_row=torch.tensor([row] * 3), unit_page_index=torch.tensor([0, 1, 2]),
         unit_count=torch.tensor([size, 4, size]), unit_is_block=torch.tensor([False, False, True]),
-        unit_scratch=torch.tensor([False] * 3), stepped=torch.tensor([True]), steps_in_block=torch.tensor([0]))
+        unit_scratch=torch.tensor([False] * 3), advances=torch.tensor([True]), steps_in_block=torch.tensor([0]))
     logits, _ = runner.forward(batch)
     torch.testing.assert_close(logits[0], dense_block_logits(random_model, prompt, [], block), rtol=1e-4, atol=1e-4)

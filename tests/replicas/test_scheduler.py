@@ -38,7 +38,7 @@ def run_step(scheduler, steps_per_block):
     batch = scheduler.schedule()
     assert batch is not None
     assert all(isinstance(getattr(batch, f.name), (torch.Tensor, int)) for f in dataclasses.fields(batch))
-    assert batch.stepped.sum() == len(scheduler.stepped)
+    assert batch.advances.sum() == len(scheduler.stepped)
     done = []
     for request in scheduler.stepped:
         block_done = request.steps_in_block + 1 == steps_per_block[request.request_id]
@@ -76,7 +76,7 @@ def test_batch_synchronous_rounds(mode):
     history = []
     for _ in range(4):
         batch = run_step(scheduler, steps)
-        history.append((a.phase, b.phase, batch.stepped.tolist()))
+        history.append((a.phase, b.phase, batch.advances.tolist()))
     assert history == [
         (Phase.BLOCK_DONE, Phase.DENOISE, [True, True]),
         (Phase.BLOCK_DONE, Phase.DENOISE, [False, True]),  # a idles until b's block is done
