@@ -28,7 +28,6 @@ here, reported with each call, are left to finish); no request waits on the metr
 import asyncio
 import functools
 import logging
-import math
 import secrets
 import time
 from collections import Counter
@@ -54,7 +53,7 @@ from cluster.errors import APIError, bad_request, install_error_handlers, intern
 from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from cluster.request_path import path_in_this_process
-from replicas.limits import aligned_head
+from replicas.limits import aligned_head, blocks_needed
 from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, SamplingParams, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
 from replicas.reports import IngressReport, stale_after_s
@@ -344,7 +343,7 @@ class Ingress:
 
     async def _serve(self, body: protocol.SamplingFields, chat: bool, slot: KeySlot):
         # the bound for its output blocks, before the prompt is tokenized (checked there)
-        blocks = math.ceil(min(max(self._max_tokens(body), 1), self.shape.max_model_len) / self.spec.block_length)
+        blocks = blocks_needed(min(max(self._max_tokens(body), 1), self.shape.max_model_len), self.shape.block_length)
         self._refuse_if(self.admission.quick_refusal(blocks * body.n, body.deadline_s))
         if _prompt_chars(body) <= INLINE_PREPARE_CHARS:
             job = self._prepare(body, self._prompt(body))

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from replicas.calibration_log import CalibrationLog
-from replicas.reports import MIN_STALE_S, IngressReport, ReplicaStats, ReplicaView
+from replicas.reports import MIN_STALE_S, IngressReport, ReplicaStats
 
 ACTOR_NAME = "dllm-metrics"
 ACTOR_NAMESPACE = "dllm"
@@ -187,8 +187,7 @@ class MetricsExporter:
         """Latest routing stats per live replica, with their age in seconds."""
         self._prune()
         now = time.monotonic()
-        return {r: ReplicaView(**stats.model_dump(), age_s=now - self._last_seen[r]).model_dump()
-                for r, stats in self._views.items()}
+        return {r: {**stats.model_dump(), "age_s": now - self._last_seen[r]} for r, stats in self._views.items()}
 
     def calibration(self, window_s: float) -> dict[str, dict]:
         """What each live replica measured in the last ``window_s`` seconds, for

@@ -15,8 +15,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from replicas.engine import Engine
-from replicas.request import RequestOutput
 from replicas.messages import SamplingParams
+from replicas.request import RequestOutput
 from replicas.stats import StepStats
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,5 @@ def one_replica(tmp_path_factory):
     settings = {"replica": {"max_batch": 16, "torch_threads": 1}, "stats_period_s": 0.25,
                 "autoscaling": {"min_replicas": 1, "max_replicas": 1}, "ray_metrics_port": free_port()}
     running = start_cluster(tmp_path_factory.mktemp("one-replica"), settings)
-    running.settings = settings
     yield running
     stop_cluster(running.process)

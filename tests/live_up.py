@@ -29,6 +29,7 @@ class Cluster:
     process: subprocess.Popen
     log_path: str
     ray_address: str  # its Ray cluster's, for `dllm-serve status --address`
+    config: dict  # what it was started with (the ports included)
     api_key: str | None = None  # one of its keys, when it has any
 
     def metrics_text(self) -> str:
@@ -62,7 +63,7 @@ def start_cluster(tmp_path, settings: dict, timeout_s: float = 180, api_keys: st
     key = api_keys.split(",")[0].split()[0] if api_keys else None
     ray_address = text.split("dllm-serve status --address ", 1)[1].split()[0]
     return Cluster(f"http://127.0.0.1:{config['port']}", f"http://127.0.0.1:{config['metrics_port']}/metrics",
-                   "tiny", process, log_path, ray_address, key)
+                   "tiny", process, log_path, ray_address, config, key)
 
 
 def stop_cluster(process: subprocess.Popen) -> None:

@@ -27,7 +27,7 @@ def observed(one_replica, tmp_path_factory):
     """(cluster, Prometheus base URL): the session's one tiny replica, its metrics and Ray's
     scraped every second."""
     cluster, tmp = one_replica, tmp_path_factory.mktemp("observed")
-    ray_port = cluster.settings["ray_metrics_port"]
+    ray_port = cluster.config["ray_metrics_port"]
     prometheus = None
     try:
         dllm_target = cluster.metrics_url.removeprefix("http://").removesuffix("/metrics")
