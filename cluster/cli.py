@@ -108,15 +108,15 @@ def cmd_generate(args) -> int:
         runner = AsyncEngine(engine)
         text = []
         try:
-            async for output in runner.generate(args.prompt, params):
-                text.append(output.new_text)
+            async for chunk in runner.generate(args.prompt, params):
+                text.append(chunk.text)
                 if args.stream:
-                    print(output.new_text, end="\n" if output.finished else " | ", flush=True)
-                if output.finished:
+                    print(chunk.text, end="\n" if chunk.finished else " | ", flush=True)
+                if chunk.finished:
                     if not args.stream:
                         print("".join(text))
-                    print(f"[{output.finish_reason.value}; {output.num_output_tokens} tokens, "
-                          f"{output.num_steps} steps, steps per block {output.block_steps}]", file=sys.stderr)
+                    print(f"[{chunk.finish_reason}; {chunk.completion_tokens} tokens, "
+                          f"{chunk.steps} steps, steps per block {chunk.block_steps}]", file=sys.stderr)
         finally:
             runner.shutdown()
 

@@ -8,7 +8,8 @@ Glossary: the shared terms, as the code uses them (``../shared/DESIGN.md`` expla
   positions of each row's active block it fills. A block takes one or more steps.
 * **commit**: a block whose positions are all filled becomes final: its ids are appended
   to the request's output and its KV is written (with the **fused commit**, by the next
-  step's forward instead of a forward of its own).
+  step's forward instead of a forward of its own). A ``BlockCommit`` (``replicas.output``)
+  is what one adds; the scheduler applies it.
 * **row**: a request's place in the running batch (``replicas.rows``); a **row-step** is
   one row in one step, the unit of cost in which admission, routing and the autoscaler
   count work.
@@ -33,5 +34,5 @@ Glossary: the shared terms, as the code uses them (``../shared/DESIGN.md`` expla
 * **resume**: a request continued on another replica from its committed blocks
   (``SamplingParams.resume_ids``), as if the first one had gone on.
 * **ingress / replica messages** (``replicas.messages``): ``GenerateRequest`` in (with
-  the engine's ``SamplingParams``), ``GenerateChunk`` out, one per committed block.
+  the engine's ``SamplingParams``), ``GenerateChunk`` out, one per committed block, as the engine emits it.
 """

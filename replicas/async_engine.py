@@ -15,8 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from replicas.engine import Engine
-from replicas.messages import SamplingParams
-from replicas.request import RequestOutput
+from replicas.messages import GenerateChunk, SamplingParams
 from replicas.stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -82,15 +81,15 @@ class AsyncEngine:
         self._thread.join(timeout=5)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield one output per committed block; the last one has ``finished=True``.
+                       request_id: str | None = None) -> AsyncIterator[GenerateChunk]:
+        """Yield one chunk per committed block; the last one has ``finished=True``.
 
         Raises ``RequestError`` before yielding anything if the request is invalid.
         """
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue: asyncio.Queue[GenerateChunk] = asyncio.Queue()
 
-        def deliver(output: RequestOutput) -> None:
+        def deliver(output: GenerateChunk) -> None:
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, output)
             except RuntimeError:  # the caller's loop is gone (e.g. the abort after a disconnect)

@@ -24,7 +24,7 @@ from replicas.limits import aligned_head, request_cost
 from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams, joined
 from replicas.monitor import ReplicaMonitor
 from replicas.reports import ReplicaStats
-from replicas.request import FinishReason, RequestOutput
+from replicas.request import FinishReason
 from replicas.settings import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ class EngineReplica:
                  unhealthy_after_failed_steps: int = 3):
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        engine = Engine.from_pretrained(model, config)
+        self.replica_id = self._replica_tag()
+        engine = Engine.from_pretrained(model, config, name=self.replica_id)
         engine.warm_up()  # the first report carries a measured step cost: admission is right from the start
         self.engine = engine
         self.monitor = ReplicaMonitor(initial_row_steps_per_s, cost_model=engine.cost_model,
@@ -47,7 +48,6 @@ class EngineReplica:
         self._refresh_gauges()
         self.stall_timeout_s = stall_timeout_s
         self.unhealthy_after_failed_steps = unhealthy_after_failed_steps
-        self.replica_id = self._replica_tag()
         self.node_id = self._node_id()
         self.async_engine = AsyncEngine(engine, on_step=self.monitor.on_step)
         self._metrics_actor = metrics_actor
@@ -99,29 +99,15 @@ class EngineReplica:
         self.monitor.request_started(request_id, cost)
         reason, tokens, blocks = FinishReason.ABORT.value, 0, 0
         try:
-            async for output in stream:
-                self.monitor.request_progressed(request_id, output.num_steps)
-                if first_block is None and output.new_token_ids:
+            async for chunk in stream:
+                self.monitor.request_progressed(request_id, chunk.steps)
+                if first_block is None and chunk.token_ids:
                     first_block = time.monotonic() - start
-                tokens = output.num_output_tokens
-                if output.finished:
-                    reason = output.finish_reason.value
-                    blocks = 0 if output.error else len(output.block_steps)
-                yield GenerateChunk(
-                    text=output.new_text,
-                    token_ids=output.new_token_ids,
-                    finished=output.finished,
-                    finish_reason=output.finish_reason.value if output.finish_reason else None,
-                    error=output.error,
-                    error_kind=_error_kind(output),
-                    prompt_tokens=output.num_prompt_tokens,
-                    completion_tokens=output.num_output_tokens,
-                    steps=output.num_steps,
-                    block_steps=output.block_steps,
-                    replica=self.replica_id,
-                    engine_s=time.monotonic() - start,
-                    logprobs=output.new_logprobs,
-                )
+                tokens = chunk.completion_tokens
+                if chunk.finished:
+                    reason = chunk.finish_reason
+                    blocks = 0 if chunk.error else len(chunk.block_steps)
+                yield chunk
         except RequestError as exc:
             reason = FinishReason.ERROR.value
             yield GenerateChunk.refusal(str(exc))
@@ -248,10 +234,3 @@ class EngineReplica:
                 if now - delivered_at > PUSH_TIMEOUT_S:
                     self.monitor.report()  # nobody to take it: drop it rather than grow
 
-
-def _error_kind(output: RequestOutput) -> str | None:
-    if output.error is None:
-        return None
-    if output.replica_fault:
-        return "replica_fault"
-    return "timeout" if output.finish_reason is FinishReason.TIMEOUT else None

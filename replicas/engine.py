@@ -1,8 +1,9 @@
 """The replica engine: schedule, run, denoise, commit, once per step.
 
 The scheduler owns request state (``replicas.scheduler``); the engine runs the forward and
-the algorithms, commits done blocks to the outputs and hands the step's outcome back to
-the scheduler.
+the algorithms, computes what each done block commits (``replicas.output.BlockCommit``),
+hands the step's outcome to the scheduler to apply, and streams one ``GenerateChunk``
+(``replicas.messages``) per committed block and at the end.
 
 ``Engine`` is synchronous and single-threaded in its step loop; ``add_request`` and
 ``abort`` may be called from other threads (they go through an inbox drained at the
@@ -24,13 +25,14 @@ import torch
 from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
 from replicas.cost_model import OnlineCostModel
 from replicas.kv_cache import KVCache, PagePool
-from replicas.logprobs import TokenLogprob, record_step
+from replicas.logprobs import record_step
 from replicas.models import load_model, load_tokenizer
-from replicas.messages import INFILL_NEEDS, RequestError, SamplingParams, request_problem, resume_problem
-from replicas.output import OutputProcessor
+from replicas.messages import (INFILL_NEEDS, GenerateChunk, RequestError, SamplingParams, joined, request_problem,
+                               resume_problem)
+from replicas.output import BlockCommit, OutputProcessor
 from replicas.scheduled_batch import ScheduledBatch
 from replicas.batching import SchedulerMode
-from replicas.request import FinishReason, Request, RequestOutput
+from replicas.request import FinishReason, Request
 from replicas.rows import RowTable
 from replicas.runner import ModelRunner
 from replicas.scheduler import Scheduler
@@ -61,10 +63,12 @@ class Abort:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, name: str = "local"):
         """``clock`` times arrivals, waits and finishes (step durations are measured with
-        ``time.perf_counter``); a test may pass a virtual one and step the engine itself."""
+        ``time.perf_counter``); a test may pass a virtual one and step the engine itself.
+        ``name``: the replica's, in every chunk it emits."""
         self.config = config = config or EngineConfig()
+        self.name = name
         self.clock = clock
         spec = model.spec
         self.spec = spec
@@ -98,11 +102,11 @@ class Engine:
         self._faults_to_inject = 0
 
     @classmethod
-    def from_pretrained(cls, model: str = "tiny", config: EngineConfig | None = None) -> "Engine":
+    def from_pretrained(cls, model: str = "tiny", config: EngineConfig | None = None, name: str = "local") -> "Engine":
         config = config or EngineConfig()
         net = load_model(model, torch_dtype(config), config.device, lora=config.lora,
                          overrides=config.model_overrides)
-        return cls(net, load_tokenizer(model), config)
+        return cls(net, load_tokenizer(model), config, name=name)
 
     # ---- requests ---------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -120,7 +124,7 @@ class Engine:
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                      request_id: str | None = None,
-                     on_output: Callable[[RequestOutput], None] | None = None) -> Request:
+                     on_output: Callable[[GenerateChunk], None] | None = None) -> Request:
         """Validate and build a request (raises RequestError); does not enqueue it."""
         params = params or SamplingParams()
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -145,13 +149,15 @@ class Engine:
             arrival_time=self.clock(),
             on_output=on_output,
             aligned=self.shape.aligned,
+            output_ids=list(params.resume_ids),
+            detokenizer=self.outputs.detokenizer(params),
+            block_logprobs=None if params.logprobs is None else [None] * self.block_length,
         )
-        self.outputs.start(request)
         return request
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None,
-                    on_output: Callable[[RequestOutput], None] | None = None) -> str:
+                    on_output: Callable[[GenerateChunk], None] | None = None) -> str:
         request = self.make_request(prompt, params, request_id, on_output)
         with self._inbox_lock:
             self._inbox.append(request)
@@ -257,38 +263,45 @@ class Engine:
             final = torch.tensor([r.algorithm.final_when_filled and r.finish_reason is None for r in requests])
             done |= final & (blocks != self.spec.mask_token_id).all(-1)
         self.rows.write_blocks(rows, page_indices, blocks)
-        done = done.tolist()
-        added = {i: self._commit(requests[i], blocks[i]) for i, d in enumerate(done) if d}
+        commits = [self._commit(request, block) if block_done else None
+                   for request, block, block_done in zip(requests, blocks, done.tolist())]
         # a block committed at the step that filled it: its cached KV is the masked one
-        self.scheduler.update_from_step(done, kv_stale=fed_masks.tolist())
-        for i, (new_ids, new_text, new_logprobs) in added.items():
-            request = requests[i]
-            self.totals.output_tokens += len(new_ids)
+        self.scheduler.update_from_step(commits, kv_stale=fed_masks.tolist())
+        committed = []
+        for request, commit in zip(requests, commits):
+            if commit is None:
+                continue
+            committed.append(request.steps_in_block)
+            self.totals.output_tokens += len(commit.token_ids)
             if request.finish_reason is not None:
                 self.totals.requests_finished += 1
                 self.cost_model.observe_finished(len(request.committed_block_steps))
                 self._requests.pop(request.request_id, None)
-            request.emit(OutputProcessor.snapshot(request, new_ids, new_text, new_logprobs=new_logprobs))
-        return [requests[i].steps_in_block for i in added]
+            self._emit(request, commit.token_ids, commit.text, commit.logprobs)
+        return committed
 
-    def _commit(self, request: Request, block: torch.Tensor) -> tuple[list[int], str, list[TokenLogprob] | None]:
-        """Commit the request's done block: its new ids and text, and their log-probabilities
-        if the request asked."""
+    def _commit(self, request: Request, block: torch.Tensor) -> BlockCommit:
+        """What the request's done block commits, with its log-probabilities if it asked."""
         offset = request.answer_offset
-        new_ids, new_text = self.outputs.commit_block(request, block[offset:].tolist())
-        recorded, request.block_logprobs = request.block_logprobs, None
-        if request.params.logprobs is None:
-            return new_ids, new_text, None
-        recorded = recorded or [None] * self.block_length  # every answer position is written by some step
-        return new_ids, new_text, recorded[offset:offset + len(new_ids)]
+        logprobs = None if request.block_logprobs is None else request.block_logprobs[offset:]
+        return self.outputs.commit_block(request, block[offset:].tolist(), logprobs)
 
     def _record_logprobs(self, requests: list[Request], logits: torch.Tensor, before: torch.Tensor,
                          after: torch.Tensor) -> None:
-        for request in requests:
-            if request.block_logprobs is None:
-                request.block_logprobs = [None] * self.block_length
         record_step([r.block_logprobs for r in requests], [r.params.logprobs for r in requests], logits,
                     before, after, self.spec.mask_token_id)
+
+    def _emit(self, request: Request, token_ids: list[int] = (), text: str = "", logprobs=None,
+              error: str | None = None, error_kind: str | None = None) -> None:
+        """Stream a chunk of the request to its caller: a committed block, or its end."""
+        reason = request.finish_reason
+        request.emit(GenerateChunk(
+            text=text, token_ids=list(token_ids), finished=reason is not None,
+            finish_reason=None if reason is None else reason.value, error=error, error_kind=error_kind,
+            prompt_tokens=len(request.prompt_ids), completion_tokens=len(request.output_ids),
+            steps=request.num_steps, block_steps=list(request.committed_block_steps), replica=self.name,
+            engine_s=self.clock() - request.arrival_time,
+            logprobs=None if request.params.logprobs is None else list(logprobs or ())))
 
     def _run_algorithms(self, requests: list[Request], logits: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """One algorithm step per block, in place; [R] bool: the block is done. A failing
@@ -350,7 +363,7 @@ class Engine:
             if self._requests.pop(request.request_id, None) is None:
                 continue
             self._end(request, FinishReason.TIMEOUT,
-                      f"the request ran past its deadline of {request.params.timeout_s:g} s")
+                      f"the request ran past its deadline of {request.params.timeout_s:g} s", "timeout")
             self.totals.requests_timed_out += 1
 
     def _abort_now(self, request_id: str) -> None:
@@ -362,20 +375,17 @@ class Engine:
 
     def _fail(self, request: Request, error: str, replica_fault: bool = False) -> None:
         self._requests.pop(request.request_id, None)
+        error_kind = "replica_fault" if replica_fault else None
         try:
-            self._end(request, FinishReason.ERROR, error, replica_fault)
+            self._end(request, FinishReason.ERROR, error, error_kind)
         except Exception:  # state too broken to free its row: the caller still hears of it
             log.exception("could not end request %s cleanly", request.request_id)
-            request.finish_reason = FinishReason.ERROR
-            request.emit(OutputProcessor.snapshot(request, [], "", error, replica_fault))
+            self._emit(request, error=error, error_kind=error_kind)
         self.totals.requests_failed += 1
 
-    def _end(self, request: Request, reason: FinishReason, error: str | None, replica_fault: bool = False) -> None:
-        self.scheduler.remove(request)
-        if request.finish_reason is None:
-            request.finish_reason = reason
-            request.finish_time = self.clock()
-            request.emit(OutputProcessor.snapshot(request, [], "", error, replica_fault))
+    def _end(self, request: Request, reason: FinishReason, error: str | None, error_kind: str | None = None) -> None:
+        if self.scheduler.finish(request, reason, self.clock()):
+            self._emit(request, error=error, error_kind=error_kind)
 
     def warm_up(self) -> None:
         """Measure the step cost before serving: closed batches of one-block requests of 1,
@@ -394,29 +404,19 @@ class Engine:
     # ---- offline convenience ---------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 on_step: Callable[[StepStats], None] | None = None) -> list[RequestOutput]:
-        """Run ``prompts`` to completion as one closed batch; one final output (whole text
-        and ids) per prompt, in order. ``on_step`` sees every step's statistics."""
+                 on_step: Callable[[StepStats], None] | None = None) -> list[GenerateChunk]:
+        """Run ``prompts`` to completion as one closed batch; one final chunk per prompt
+        (``messages.joined``: whole text and ids), in order. ``on_step`` sees every step's
+        statistics."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        results: dict[str, RequestOutput] = {}
-        order = []
-
-        def collect(output: RequestOutput) -> None:
-            previous = results.get(output.request_id)
-            if previous is not None:
-                output.new_token_ids = previous.new_token_ids + output.new_token_ids
-                output.new_text = previous.new_text + output.new_text
-                if output.new_logprobs is not None:
-                    output.new_logprobs = previous.new_logprobs + output.new_logprobs
-            results[output.request_id] = output
-
-        for prompt, p in zip(prompts, params):
-            order.append(self.add_request(prompt, p, on_output=collect))
+        chunks: list[list[GenerateChunk]] = [[] for _ in prompts]
+        for prompt, p, sink in zip(prompts, params, chunks):
+            self.add_request(prompt, p, on_output=sink.append)
         while self.has_work():
             stats = self.step()
             if stats is None:
                 time.sleep(min(self.hold_s(), 0.01))
             elif on_step is not None:
                 on_step(stats)
-        return [results[rid] for rid in order]
+        return [joined(c) for c in chunks]

@@ -1,14 +1,20 @@
 """Committing a finished block into a request's output: EOS, max_tokens, stop strings, text
-(``replicas.detokenizer``: emitted only once final)."""
+(``replicas.detokenizer``: emitted only once final).
+
+``OutputProcessor.commit_block`` computes what a done block adds as a ``BlockCommit``
+value; the scheduler applies it to the request (``Scheduler.update_from_step``), the one
+place that changes request state."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from replicas.detokenizer import Detokenizer
 from replicas.logprobs import TokenLogprob
-from replicas.request import FinishReason, Request, RequestOutput
+from replicas.messages import SamplingParams
+from replicas.request import FinishReason, Request
 
 
 def text_decoder(tokenizer) -> Callable[[list[int]], str]:
@@ -22,6 +28,17 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     return lambda ids: backend.decode(ids, skip_special_tokens=True)
 
 
+@dataclass(frozen=True)
+class BlockCommit:
+    """What a done block adds to its request's output."""
+
+    token_ids: list[int]  # up to the end (EOS, max_tokens, a stop string's last id included)
+    text: str  # the text that became final, up to a stop string
+    finish_reason: FinishReason | None  # set when this block ends the output
+    time: float  # on the engine's clock
+    logprobs: list[TokenLogprob | None] | None = None  # one per id, when the request asked
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, end_ids: frozenset[int], clock: Callable[[], float] = time.monotonic):
         """``end_ids``: the ids that end an answer (``ModelSpec.end_token_ids``)."""
@@ -30,16 +47,16 @@ class OutputProcessor:
         self.end_ids = end_ids
         self.clock = clock
 
-    def start(self, request: Request) -> None:
-        """Start the request's output: empty, or for a continuation the blocks it resumes
+    def detokenizer(self, params: SamplingParams) -> Detokenizer:
+        """A new request's text state; a continuation's starts after the blocks it resumes
         (``params.resume_ids``), whose text was emitted before."""
-        request.output_ids = list(request.params.resume_ids)
-        request.detokenizer = Detokenizer(self.decode, request.params.stop, self.clean_up, request.output_ids)
+        return Detokenizer(self.decode, params.stop, self.clean_up, params.resume_ids)
 
-    def commit_block(self, request: Request, block_ids: list[int]) -> tuple[list[int], str]:
-        """Append a done block to ``request``'s output, set its finish reason if this ends
-        it (EOS, max_tokens, a stop string), and return the token ids and text it added:
-        the ids up to the end (a stop string's included), the text up to the stop string."""
+    def commit_block(self, request: Request, block_ids: list[int],
+                     logprobs: Sequence[TokenLogprob | None] | None = None) -> BlockCommit:
+        """What appending a done block (its answer ids, ``logprobs`` aligned with them) to
+        ``request``'s output adds, and whether it ends it (EOS, max_tokens, a stop string).
+        Advances the request's detokenizer; the request itself is left to the scheduler."""
         params = request.params
         finish = None
         end = None if params.ignore_eos else next((i for i, t in enumerate(block_ids) if t in self.end_ids), None)
@@ -51,34 +68,10 @@ class OutputProcessor:
             block_ids = block_ids[:room]
             finish = finish or FinishReason.LENGTH
         before = len(request.output_ids)
-        request.output_ids.extend(block_ids)
-        new_text, kept = request.detokenizer.feed(request.output_ids, before, final=finish is not None)
+        output = request.output_ids + block_ids
+        new_text, kept = request.detokenizer.feed(output, before, final=finish is not None)
         if kept is not None:  # a stop string ended here: the output ends with it
-            del request.output_ids[kept:]
-            block_ids = request.output_ids[before:]
+            block_ids = output[before:kept]
             finish = FinishReason.STOP
-        now = self.clock()
-        if request.first_block_time is None:
-            request.first_block_time = now
-        if finish is not None:
-            request.finish_reason = finish
-            request.finish_time = now
-        return block_ids, new_text
-
-    @staticmethod
-    def snapshot(request: Request, new_ids: list[int], new_text: str, error: str | None = None,
-                 replica_fault: bool = False, new_logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=request.finish_reason is not None,
-            finish_reason=request.finish_reason,
-            error=error,
-            replica_fault=replica_fault,
-            num_prompt_tokens=len(request.prompt_ids),
-            num_output_tokens=len(request.output_ids),
-            num_steps=request.num_steps,
-            block_steps=list(request.committed_block_steps),
-            new_logprobs=new_logprobs,
-        )
+        return BlockCommit(block_ids, new_text, finish, self.clock(),
+                           None if logprobs is None else list(logprobs[:len(block_ids)]))

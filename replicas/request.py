@@ -13,7 +13,7 @@ from replicas.batching import Phase
 from replicas.detokenizer import Detokenizer
 from replicas.logprobs import TokenLogprob
 from replicas.limits import aligned_head, blocks_needed
-from replicas.messages import SamplingParams
+from replicas.messages import GenerateChunk, SamplingParams
 
 
 class FinishReason(str, enum.Enum):
@@ -24,26 +24,10 @@ class FinishReason(str, enum.Enum):
     TIMEOUT = "timeout"  # past its deadline (``SamplingParams.timeout_s``)
 
 
-@dataclass
-class RequestOutput:
-    """What one committed block (or the end) of a request adds, streamed to its caller."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    replica_fault: bool = False  # the error is the replica's, not the request's: another may serve it
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_steps: int = 0  # forwards this request took so far
-    block_steps: list[int] = field(default_factory=list)  # steps of each committed block
-    new_logprobs: list[TokenLogprob] | None = None  # one per new token id, when the request asked
-
-
 @dataclass(eq=False)
 class Request:
+    """A request in the engine; ``finish_reason`` set is the one record of "finished"."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -51,13 +35,14 @@ class Request:
     algorithm_params: AlgorithmParams
     block_length: int
     arrival_time: float  # on the engine's clock
-    on_output: Callable[[RequestOutput], None] | None = None
+    on_output: Callable[[GenerateChunk], None] | None = None
     # blocks aligned to the sequence's start (EngineConfig.block_alignment 'prompt'): the
     # first answer block is the one holding the prompt's (or the resumed output's) end
     aligned: bool = False
     # (the fields above never change: the cached properties below derive from them)
 
-    # where the request stands: changed by the scheduler only (replicas.scheduler)
+    # where the request stands and what it produced: changed by the scheduler only
+    # (replicas.scheduler), which applies each committed block (``replicas.output.BlockCommit``)
     phase: Phase = Phase.WAITING
     row: int = -1
     pages: list[int] = field(default_factory=list)
@@ -69,10 +54,11 @@ class Request:
     unwritten_page: int | None = None  # page index of a committed block whose final KV is not cached yet
     num_steps: int = 0
     algorithm_state: Any = None
-    # what it produced: changed by the output processor (replicas.output) and the engine
-    output_ids: list[int] = field(default_factory=list)
-    detokenizer: Detokenizer | None = None  # its text so far
-    block_logprobs: list[TokenLogprob | None] | None = None  # the active block's, when asked (replicas.logprobs)
+    output_ids: list[int] = field(default_factory=list)  # starts as ``params.resume_ids``
+    # its text so far: advanced by the output processor as blocks commit
+    detokenizer: Detokenizer | None = None
+    # the active block's, when asked: filled in place by each step (``replicas.logprobs``)
+    block_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: FinishReason | None = None
     first_block_time: float | None = None
     finish_time: float | None = None
@@ -148,6 +134,6 @@ class Request:
             return blocks_needed(self.head + self.params.max_tokens - len(self.params.resume_ids), self.block_length)
         return self.max_blocks - self.resumed_blocks
 
-    def emit(self, output: RequestOutput) -> None:
+    def emit(self, output: GenerateChunk) -> None:
         if self.on_output is not None:
             self.on_output(output)

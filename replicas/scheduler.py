@@ -4,7 +4,8 @@ The modes (fdfo, sync, static, fixed_fill) and their batching rules are the pure
 functions of ``replicas.batching``; the scheduler applies them to live requests, rows and
 pages. Request state changes only here: ``schedule()`` ends rounds, admits requests and
 builds the step's batch; ``update_from_step()`` books the step's outcome (steps taken,
-blocks done, requests finished); ``remove()`` takes a request out on abort or failure.
+blocks done and their commits applied to the outputs, requests finished); ``finish()``
+ends a request early (abort, deadline, failure) and frees what it holds.
 
 Pages: admission reserves a request's worst case (prompt pages + max blocks); pages are
 taken from the reservation one block at a time and all returned on release. With the
@@ -31,7 +32,8 @@ from replicas.scheduled_batch import ScheduledBatch
 from replicas.batching import (Phase, RowAction, SchedulerMode, admission_open, end_of_round,
                                may_hold_for_arrivals, waits_to_fill)
 from replicas.kv_cache import PagePool
-from replicas.request import Request
+from replicas.output import BlockCommit
+from replicas.request import FinishReason, Request
 from replicas.rows import RowTable
 
 
@@ -64,14 +66,18 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def remove(self, request: Request) -> None:
-        """Take a request out wherever it is (abort or failure), free what it holds and
-        mark it finished."""
+    def finish(self, request: Request, reason: FinishReason, now: float) -> bool:
+        """End a request where it is (abort, deadline, failure): record ``reason`` unless it
+        had ended already, and free what it holds. Returns whether it ends now."""
+        ends_now = request.finish_reason is None
+        if ends_now:
+            request.finish_reason, request.finish_time = reason, now
         if request.phase is Phase.WAITING:
             self.waiting.remove(request)
         elif request.row >= 0:
             self._release(request)
         request.phase = Phase.FINISHED
+        return ends_now
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,24 +98,35 @@ class Scheduler:
         finally:
             self._write_block_starts()
 
-    def update_from_step(self, done: Sequence[bool], kv_stale: Sequence[bool] | None = None) -> None:
-        """Book the outcome of the last batch: ``done[i]`` says whether the algorithm
-        finished the block of ``stepped[i]``, which the caller has committed to the output
-        (a request whose output that ended has its finish reason); ``kv_stale[i]``: that
-        forward fed the block with masks, so its final KV is still to be written (a fused
-        commit, see ``_build_batch``). A request removed since it was scheduled (its
-        algorithm failed) is skipped."""
-        kv_stale = kv_stale or [False] * len(done)
-        for request, block_done, stale in zip(self.stepped, done, kv_stale, strict=True):
+    def update_from_step(self, commits: Sequence[BlockCommit | None], kv_stale: Sequence[bool] | None = None) -> None:
+        """Book the outcome of the last batch: ``commits[i]`` is what the done block of
+        ``stepped[i]`` adds to its output (None: the block goes on), applied here;
+        ``kv_stale[i]``: that forward fed the block with masks, so its final KV is still to
+        be written (a fused commit, see ``_build_batch``). A request that ended since it
+        was scheduled (its algorithm failed) is skipped."""
+        kv_stale = kv_stale or [False] * len(commits)
+        for request, commit, stale in zip(self.stepped, commits, kv_stale, strict=True):
             if request.phase is not Phase.DENOISE:
                 continue
             request.steps_in_block += 1
             request.num_steps += 1
-            if block_done:
-                request.committed_block_steps.append(request.steps_in_block)
-                request.phase = Phase.BLOCK_DONE if request.finish_reason is None else Phase.FINISHED
-                if stale and request.phase is Phase.BLOCK_DONE:
-                    request.unwritten_page = request.active_page_index
+            if commit is None:
+                continue
+            self._apply(request, commit)
+            request.phase = Phase.BLOCK_DONE if request.finish_reason is None else Phase.FINISHED
+            if stale and request.phase is Phase.BLOCK_DONE:
+                request.unwritten_page = request.active_page_index
+
+    def _apply(self, request: Request, commit: BlockCommit) -> None:
+        """A done block into the request's output and record."""
+        request.output_ids.extend(commit.token_ids)
+        request.committed_block_steps.append(request.steps_in_block)
+        if request.first_block_time is None:
+            request.first_block_time = commit.time
+        if commit.finish_reason is not None:
+            request.finish_reason, request.finish_time = commit.finish_reason, commit.time
+        if request.block_logprobs is not None:  # the next block's
+            request.block_logprobs = [None] * self.block_length
 
     # ---- rounds and admission ----------------------------------------------------------
     def _end_round(self) -> bool:

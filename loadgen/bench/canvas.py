@@ -49,7 +49,7 @@ def run_canvas(net, canvas: str, batch: int, prompt_len: int, max_tokens: int, s
     outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                               on_step=steps_run.append)
     seconds = time.perf_counter() - start
-    tokens = sum(o.num_output_tokens for o in outputs)
+    tokens = sum(o.completion_tokens for o in outputs)
     return {"seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2), "steps": len(steps_run)}
 
 

@@ -99,7 +99,7 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     block_length = net.spec.block_length
     ideal_tokens_per_s = {
         mode: runs[mode][0]["output_tokens"] / closed_batch_seconds(
-            mode, max_batch, [ClosedRequest(o.num_prompt_tokens, o.block_steps) for o in runs[mode][0]["outputs"]],
+            mode, max_batch, [ClosedRequest(o.prompt_tokens, o.block_steps) for o in runs[mode][0]["outputs"]],
             block_length, c0, c1)
         for mode in BENCH_MODES}
     result["efficiency_vs_ideal"] = {}

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from replicas.engine import Engine, EngineConfig
 from replicas.models import load_model, load_tokenizer
-from replicas.request import RequestOutput
+from replicas.messages import GenerateChunk
 from replicas.messages import SamplingParams
 from replicas.tiny import task
 
@@ -17,16 +17,16 @@ def tiny_params(algorithm: str = "low_confidence", **algorithm_params) -> Sampli
     return SamplingParams(max_tokens=task.MAX_TOKENS, algorithm=algorithm, algorithm_params=algorithm_params)
 
 
-def score(requests: Sequence[task.Request], outputs: Sequence[RequestOutput]) -> dict:
+def score(requests: Sequence[task.Request], outputs: Sequence[GenerateChunk]) -> dict:
     """Request accuracy (every puzzle right), puzzle accuracy and the steps-per-block histogram."""
-    graded = [task.grade(r, o.new_text) for r, o in zip(requests, outputs)]
+    graded = [task.grade(r, o.text) for r, o in zip(requests, outputs)]
     puzzles = [ok for g in graded for ok in g]
     histogram = Counter(s for o in outputs for s in o.block_steps)
     return {
         "requests": len(requests),
         "request_accuracy": sum(all(g) for g in graded) / len(graded),
         "puzzle_accuracy": sum(puzzles) / len(puzzles),
-        "output_tokens": sum(o.num_output_tokens for o in outputs),
+        "output_tokens": sum(o.completion_tokens for o in outputs),
         "steps_per_block_histogram": dict(sorted(histogram.items())),
     }
 

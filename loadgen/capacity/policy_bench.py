@@ -31,7 +31,7 @@ async def _drive(engine: Engine, times: list[float], prompts: list[str]) -> list
         sent = time.monotonic()
         first = None
         async for output in async_engine.generate(prompt, params):
-            if first is None and output.new_token_ids:
+            if first is None and output.token_ids:
                 first = time.monotonic() - sent
         return {"latency_s": time.monotonic() - sent, "ttfb_s": first if first is not None else time.monotonic() - sent}
 

@@ -30,16 +30,18 @@ def run(tokenizer, ids, block, stop=(), max_tokens=None, resume_blocks=0):
     processor = OutputProcessor(tokenizer, frozenset({eos}))
     resumed = tuple(ids[:resume_blocks * block])
     params = SamplingParams(max_tokens=max_tokens or len(ids) + block, stop=tuple(stop), resume_ids=resumed)
-    request = Request("r", [1], params, None, None, block, 0.0)
-    processor.start(request)
+    request = Request("r", [1], params, None, None, block, 0.0, output_ids=list(resumed),
+                      detokenizer=processor.detokenizer(params))
     pieces, returned = [], list(resumed)
     position = len(resumed)
     while request.finish_reason is None:
         chunk = ids[position:position + block] or [eos] * block
         position += block
-        new_ids, text = processor.commit_block(request, chunk)
-        pieces.append(text)
-        returned += new_ids
+        commit = processor.commit_block(request, chunk)
+        pieces.append(commit.text)
+        returned += commit.token_ids
+        request.output_ids += commit.token_ids  # what the scheduler applies
+        request.finish_reason = commit.finish_reason
     assert returned == request.output_ids
     return pieces, returned, request
 

@@ -28,7 +28,7 @@ def test_one_failing_step_fails_only_its_rows_as_a_replica_fault(make_engine):
     outputs = {}
     for prompt in ["abc", "def", "ghi"]:  # the third waits for a row
         engine.add_request(prompt, PARAMS, request_id=prompt,
-                           on_output=lambda o: outputs.setdefault(o.request_id, []).append(o))
+                           on_output=outputs.setdefault(prompt, []).append)
     engine.step()  # the first two prefill and take a step
     engine.inject_faults(1)
     assert engine.step() is None and engine.failed_steps_in_a_row == 1
@@ -37,8 +37,8 @@ def test_one_failing_step_fails_only_its_rows_as_a_replica_fault(make_engine):
     assert engine.failed_steps_in_a_row == 0
     failed = {rid for rid, outs in outputs.items() if outs[-1].error}
     assert failed == {"abc", "def"}
-    assert all(outputs[rid][-1].replica_fault for rid in failed)
-    assert outputs["ghi"][-1].finish_reason is FinishReason.LENGTH
+    assert all(outputs[rid][-1].error_kind == "replica_fault" for rid in failed)
+    assert outputs["ghi"][-1].finish_reason == FinishReason.LENGTH
     assert pool_is_free(engine)
 
 
@@ -47,7 +47,7 @@ def test_a_failing_add_does_not_drop_the_others_in_the_inbox(make_engine, monkey
     monkeypatch.setattr(engine.scheduler, "add",
                         failing_on_call(engine.scheduler.add, 1, RuntimeError("queue broken")))
     outs = engine.generate(["abc", "def", "ghi"], PARAMS)
-    assert outs[0].finish_reason is FinishReason.ERROR and outs[0].replica_fault
+    assert outs[0].finish_reason == FinishReason.ERROR and outs[0].error_kind == "replica_fault"
     assert [o.finish_reason for o in outs[1:]] == [FinishReason.LENGTH] * 2
     assert pool_is_free(engine)
 
@@ -76,20 +76,19 @@ def test_deadlines_expire_in_their_own_order_and_spare_finished_requests(make_en
     engine.clock = engine.scheduler.clock = engine.outputs.clock = lambda: now[0]
     ended = {}
 
-    def record(output):
-        if output.finished:
-            ended[output.request_id] = output.finish_reason
+    def record(name):
+        return lambda output: output.finished and ended.__setitem__(name, output.finish_reason)
 
     for name, timeout, tokens in (("nine", 9.0, 128), ("three", 3.0, 128), ("six", 6.0, 128), ("short", 4.0, 1)):
         engine.add_request("abc", SamplingParams(max_tokens=tokens, ignore_eos=True, timeout_s=timeout),
-                           request_id=name, on_output=record)
+                           request_id=name, on_output=record(name))
     while "short" not in ended:
         engine.step()
     for at, expected in ((3.5, {"three"}), (6.0, {"three", "six"}), (9.0, {"three", "six", "nine"})):
         now[0] = at
         engine.step()
-        assert {r for r, reason in ended.items() if reason is FinishReason.TIMEOUT} == expected
-    assert ended["short"] is FinishReason.LENGTH and engine.totals.requests_timed_out == 3
+        assert {r for r, reason in ended.items() if reason == FinishReason.TIMEOUT} == expected
+    assert ended["short"] == FinishReason.LENGTH and engine.totals.requests_timed_out == 3
     assert pool_is_free(engine)
 
 
@@ -169,6 +168,6 @@ def test_the_loop_survives_a_step_that_raises_past_the_engine(make_engine, monke
         return [o async for o in runner.generate("abc", PARAMS)]
 
     try:
-        assert asyncio.run(collect())[-1].finish_reason is FinishReason.LENGTH
+        assert asyncio.run(collect())[-1].finish_reason == FinishReason.LENGTH
     finally:
         runner.shutdown(drain_timeout=0)

@@ -23,8 +23,8 @@ def assert_pool_full(engine):
 def test_max_tokens_truncates_inside_a_block(make_engine):
     engine = make_engine()
     [out] = engine.generate(["abc"], SamplingParams(max_tokens=20, ignore_eos=True))
-    assert out.num_output_tokens == 20 and len(out.new_token_ids) == 20
-    assert out.finish_reason is FinishReason.LENGTH
+    assert out.completion_tokens == 20 and len(out.token_ids) == 20
+    assert out.finish_reason == FinishReason.LENGTH
     assert out.block_steps and len(out.block_steps) == 2
 
 
@@ -34,16 +34,17 @@ def test_eos_truncates_and_stops(make_engine, tokenizer):
     # an algorithm-independent way to force EOS: a prompt the random model maps to EOS is
     # not available, so check the output processor directly on a committed block
     request = engine.make_request("abc", SamplingParams(max_tokens=64))
-    new_ids, _ = engine.outputs.commit_block(request, [10, 11, eos, 12] + [eos] * 12)
-    assert new_ids == [10, 11] and request.finish_reason is FinishReason.STOP
+    commit = engine.outputs.commit_block(request, [10, 11, eos, 12] + [eos] * 12)
+    assert commit.token_ids == [10, 11] and commit.finish_reason is FinishReason.STOP
+    assert request.output_ids == [] and request.finish_reason is None  # the scheduler applies it
 
 
 def test_stop_string_cuts_text(make_engine, tokenizer):
     engine = make_engine()
     request = engine.make_request("abc", SamplingParams(max_tokens=64, stop=("cd",)))
     ids = tokenizer("abcdef", add_special_tokens=False)["input_ids"]
-    _, new_text = engine.outputs.commit_block(request, ids + [ids[0]] * (16 - len(ids)))
-    assert new_text == "ab" and request.finish_reason is FinishReason.STOP
+    commit = engine.outputs.commit_block(request, ids + [ids[0]] * (16 - len(ids)))
+    assert commit.text == "ab" and commit.finish_reason is FinishReason.STOP
 
 
 @pytest.mark.parametrize("prompt,params,message", [
@@ -83,14 +84,13 @@ def test_no_page_leak_with_aborts(make_engine, mode):
     engine = make_engine(mode=mode, max_batch=16, fill_timeout_s=0.001)
     finals = {}
 
-    def record(output):
-        if output.finished:
-            finals[output.request_id] = output
+    def record(request_id):
+        return lambda output: output.finished and finals.__setitem__(request_id, output)
 
     ids = [engine.add_request([rng.randrange(5, 40) for _ in range(rng.randrange(1, 60))],
                               SamplingParams(max_tokens=rng.randrange(1, 64), ignore_eos=True,
                                              algorithm_params={"threshold": rng.choice([0.0, 0.5])}),
-                              on_output=record) for _ in range(250)]
+                              request_id=f"r{i}", on_output=record(f"r{i}")) for i in range(250)]
     to_abort = set(rng.sample(ids, 50))
     steps = 0
     while engine.has_work():
@@ -103,7 +103,7 @@ def test_no_page_leak_with_aborts(make_engine, mode):
                 engine.abort(request_id)
                 to_abort.discard(request_id)
     assert set(finals) == set(ids)  # every request got exactly one final answer
-    aborted = [o for o in finals.values() if o.finish_reason is FinishReason.ABORT]
+    aborted = [o for o in finals.values() if o.finish_reason == FinishReason.ABORT]
     assert len(aborted) >= 25
     assert_pool_full(engine)
 
@@ -125,10 +125,10 @@ def test_failing_forward_fails_rows_and_engine_recovers(make_engine):
     engine = make_engine(max_batch=4)
     engine.runner.forward = failing_on_call(engine.runner.forward, 2, RuntimeError("device lost"))
     outs = engine.generate(["abc", "def"], SamplingParams(max_tokens=32, ignore_eos=True))
-    assert all(o.finish_reason is FinishReason.ERROR for o in outs)
+    assert all(o.finish_reason == FinishReason.ERROR for o in outs)
     assert_pool_full(engine)
     [again] = engine.generate(["abc"], SamplingParams(max_tokens=32, ignore_eos=True))
-    assert again.finish_reason is FinishReason.LENGTH
+    assert again.finish_reason == FinishReason.LENGTH
 
 
 def test_mixed_algorithms_in_one_batch_match_running_alone(make_engine):
@@ -137,7 +137,7 @@ def test_mixed_algorithms_in_one_batch_match_running_alone(make_engine):
     prompts = ["abc", "hello", "xyz12", "q"]
     together = make_engine(max_batch=8).generate(prompts, params)
     alone = [make_engine(max_batch=1).generate([p], q)[0] for p, q in zip(prompts, params)]
-    assert [o.new_token_ids for o in together] == [o.new_token_ids for o in alone]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
 
 
 def test_async_stream_yields_each_block_before_the_end(make_engine):
@@ -153,7 +153,7 @@ def test_async_stream_yields_each_block_before_the_end(make_engine):
         runner.shutdown()
     assert len(outputs) == 4
     assert [o.finished for o in outputs] == [False, False, False, True]
-    assert all(len(o.new_token_ids) == 16 for o in outputs)
+    assert all(len(o.token_ids) == 16 for o in outputs)
 
 
 def test_async_cancel_aborts_and_frees_pages(make_engine):

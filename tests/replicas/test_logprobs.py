@@ -31,9 +31,9 @@ def test_greedy_tokens_are_their_steps_most_likely(make_engine):
                             algorithm="low_confidence", algorithm_params={"temperature": 0.0})
     asked, plain = engine.generate(["1.3. ..2.", "1.3. ..2."], [params, SamplingParams(
         max_tokens=40, ignore_eos=True, algorithm="low_confidence", algorithm_params={"temperature": 0.0})])
-    assert asked.new_token_ids == plain.new_token_ids and plain.new_logprobs is None
-    assert len(asked.new_logprobs) == len(asked.new_token_ids) == 40
-    for token, record in zip(asked.new_token_ids, asked.new_logprobs):
+    assert asked.token_ids == plain.token_ids and plain.logprobs is None
+    assert len(asked.logprobs) == len(asked.token_ids) == 40
+    for token, record in zip(asked.token_ids, asked.logprobs):
         assert len(record.top) == 3 and record.top[0][0] == token  # greedy: the argmax of its step
         assert record.logprob == pytest.approx(record.top[0][1]) and record.logprob <= 0
         assert record.top[0][1] >= record.top[1][1] >= record.top[2][1]
@@ -43,7 +43,7 @@ def test_sampled_tokens_have_their_own_logprob_and_none_without_alternatives(mak
     engine = make_engine(max_batch=2)
     [out] = engine.generate(["abc"], SamplingParams(max_tokens=16, ignore_eos=True, logprobs=0,
                                                    algorithm_params={"temperature": 1.0, "seed": 5}))
-    assert len(out.new_logprobs) == 16 and all(r.top == () and r.logprob <= 0 for r in out.new_logprobs)
+    assert len(out.logprobs) == 16 and all(r.top == () and r.logprob <= 0 for r in out.logprobs)
 
 
 @pytest.mark.parametrize("k", [-1, 21])

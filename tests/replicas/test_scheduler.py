@@ -1,5 +1,6 @@
-"""The scheduler owns request state: phases change through schedule / update_from_step,
-its batch is plain tensors, and its waits run on the clock it is given."""
+"""The scheduler owns request state: phases and outputs change through schedule /
+update_from_step / finish, its batch is plain tensors, and its waits run on the clock it
+is given."""
 
 import dataclasses
 
@@ -12,6 +13,7 @@ from replicas.engine import Engine, EngineConfig
 from replicas.kv_cache import PagePool
 from replicas.request import FinishReason, Request
 from replicas.messages import SamplingParams
+from replicas.output import BlockCommit
 from replicas.rows import RowTable
 from replicas.scheduler import Scheduler
 
@@ -34,18 +36,17 @@ def make_request(name, prompt_len, blocks, arrival_time=0.0) -> Request:
 
 def run_step(scheduler, steps_per_block):
     """One engine step without a model: a block is done after ``steps_per_block[name]``
-    steps; the commit of a request's last block ends it (as the output processor does)."""
+    steps; the commit of a request's last block ends it (as the output processor's would)."""
     batch = scheduler.schedule()
     assert batch is not None
     assert all(isinstance(getattr(batch, f.name), (torch.Tensor, int)) for f in dataclasses.fields(batch))
     assert batch.advances.sum() == len(scheduler.stepped)
-    done = []
+    commits = []
     for request in scheduler.stepped:
         block_done = request.steps_in_block + 1 == steps_per_block[request.request_id]
-        if block_done and request.block_index == request.max_blocks - 1:
-            request.finish_reason = FinishReason.LENGTH
-        done.append(block_done)
-    scheduler.update_from_step(done)
+        last = request.block_index == request.max_blocks - 1
+        commits.append(BlockCommit([7] * BLOCK, "", FinishReason.LENGTH if last else None, 0.0) if block_done else None)
+    scheduler.update_from_step(commits)
     return batch
 
 
@@ -60,6 +61,7 @@ def test_fdfo_phases_from_chunked_prefill_to_release():
     assert phases == [Phase.WAITING, Phase.PREFILL, Phase.PREFILL, Phase.DENOISE, Phase.BLOCK_DONE,
                       Phase.DENOISE, Phase.FINISHED]
     assert request.committed_block_steps == [2, 2] and request.num_steps == 4
+    assert request.output_ids == [7] * 2 * BLOCK and request.finish_reason is FinishReason.LENGTH
     assert scheduler.schedule() is None and not scheduler.has_work()
     assert request.row == -1 and scheduler.pool.num_available == scheduler.pool.capacity
 
@@ -87,16 +89,29 @@ def test_batch_synchronous_rounds(mode):
     assert a.committed_block_steps == [1, 1] and b.committed_block_steps == [3]
 
 
-def test_removed_request_is_skipped_by_the_update():
+def test_a_request_ended_since_scheduling_is_skipped_by_the_update():
     scheduler = make_scheduler("fdfo")
     a, b = make_request("a", 4, blocks=1), make_request("b", 4, blocks=1)
     scheduler.add(a)
     scheduler.add(b)
     scheduler.schedule()
-    scheduler.remove(a)  # its algorithm failed
-    scheduler.update_from_step([True, False])
-    assert a.phase is Phase.FINISHED and a.row == -1 and a.steps_in_block == 0
+    assert scheduler.finish(a, FinishReason.ERROR, 3.0)  # its algorithm failed
+    assert not scheduler.finish(a, FinishReason.ABORT, 4.0)  # ended once: the first reason stays
+    scheduler.update_from_step([BlockCommit([1] * BLOCK, "x", None, 5.0), None])
+    assert a.phase is Phase.FINISHED and a.row == -1 and a.steps_in_block == 0 and a.output_ids == []
+    assert (a.finish_reason, a.finish_time) == (FinishReason.ERROR, 3.0)
     assert b.phase is Phase.DENOISE and b.steps_in_block == 1
+
+
+def test_finish_frees_a_waiting_or_running_request():
+    scheduler = make_scheduler("fdfo", max_batch=1)
+    a, b = make_request("a", 4, blocks=2), make_request("b", 4, blocks=1)
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.schedule()  # a runs, b waits for a row
+    assert scheduler.finish(b, FinishReason.TIMEOUT, 1.0) and not scheduler.waiting
+    assert scheduler.finish(a, FinishReason.ABORT, 2.0) and not scheduler.has_work()
+    assert scheduler.pool.num_available == scheduler.pool.capacity and scheduler.rows.num_free == 1
 
 
 def test_waits_run_on_the_given_clock():
@@ -130,4 +145,4 @@ def test_engine_runs_on_a_virtual_clock(random_model, tokenizer):
     while engine.has_work():
         engine.step()
     assert request.arrival_time == 100.0 and request.finish_time == 105.0
-    assert len(finals) == 1 and finals[0].num_output_tokens == 16
+    assert len(finals) == 1 and finals[0].completion_tokens == 16

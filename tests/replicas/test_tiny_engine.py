@@ -48,10 +48,10 @@ def test_modes_are_byte_identical_at_batch_1(tiny, case):
     configs["fdfo, separate KV write"] = EngineConfig(max_batch=1, fused_commit=False)
     outputs = {label: Engine(net, tokenizer, config).generate([r.prompt for r in requests], params)
                for label, config in configs.items()}
-    tokens = {label: [o.new_token_ids for o in runs] for label, runs in outputs.items()}
+    tokens = {label: [o.token_ids for o in runs] for label, runs in outputs.items()}
     assert len(tokens["fdfo"]) == PARITY_PROMPTS and all(tokens["fdfo"])
     assert all(tokens[label] == tokens["fdfo"] for label in configs)
-    steps = {label: sum(o.num_steps for o in outputs[label]) for label in ("fdfo", "fdfo, separate KV write")}
+    steps = {label: sum(o.steps for o in outputs[label]) for label in ("fdfo", "fdfo, separate KV write")}
     blocks = sum(len(o.block_steps) for o in outputs["fdfo"])
     saved = blocks if get_algorithm(name).final_when_filled else 0
     assert steps["fdfo, separate KV write"] - steps["fdfo"] == saved

@@ -33,7 +33,7 @@ def test_full_canvas_rows_do_not_depend_on_their_batch(checkpoint_engine, kv_cac
     alone = []
     for prompt, p in zip(prompts, params):
         engine = checkpoint_engine("LLaDAModelLM", max_batch=1, kv_cache=kv_cache)
-        alone.append(engine.generate([prompt], p)[0].new_token_ids)
+        alone.append(engine.generate([prompt], p)[0].token_ids)
     engine = checkpoint_engine("LLaDAModelLM", max_batch=4, kv_cache=kv_cache)
     free = engine.pool.num_free
     streamed = []
@@ -41,8 +41,8 @@ def test_full_canvas_rows_do_not_depend_on_their_batch(checkpoint_engine, kv_cac
     engine.step()  # admission lays out the whole canvas: prompt pages and every block's page
     assert free - engine.pool.num_free == 1 + 3
     together = engine.generate(prompts[1:], params[1:])  # the first request runs on with them
-    assert [t for o in streamed for t in o.new_token_ids] == alone[0]
-    assert [o.new_token_ids for o in together] == alone[1:]
+    assert [t for o in streamed for t in o.token_ids] == alone[0]
+    assert [o.token_ids for o in together] == alone[1:]
     assert engine.pool.num_free == free
 
 
@@ -100,17 +100,17 @@ def test_aligned_blocks_continue_the_prompts_last_block(checkpoint_engine, arch)
             dense = engine.model(torch.tensor([sequence]), positions[None], DenseAttentionContext(mask))[0]
         torch.testing.assert_close(logits, dense[-size:], rtol=1e-4, atol=1e-4)
     final = seen[-1][0][len(PROMPT):]  # the last forward filled the masks left in it
-    assert len(output.new_token_ids) == 2 * size <= len(final)  # the last block may run past max_tokens
-    assert all(seen_token in (token, engine.spec.mask_token_id) for token, seen_token in zip(output.new_token_ids, final))
+    assert len(output.token_ids) == 2 * size <= len(final)  # the last block may run past max_tokens
+    assert all(seen_token in (token, engine.spec.mask_token_id) for token, seen_token in zip(output.token_ids, final))
 
 
 def test_an_aligned_request_resumes_where_prompt_and_output_end_a_block(checkpoint_engine):
     engine = checkpoint_engine("SDARForCausalLM", max_batch=1, block_alignment="prompt")
     size = engine.block_length
-    whole = engine.generate([PROMPT], SamplingParams(max_tokens=4 * size, ignore_eos=True))[0].new_token_ids
+    whole = engine.generate([PROMPT], SamplingParams(max_tokens=4 * size, ignore_eos=True))[0].token_ids
     committed = whole[:size - len(PROMPT) % size + size]  # the first two answer blocks
     resumed = engine.generate([PROMPT], SamplingParams(max_tokens=4 * size, ignore_eos=True,
                                                        resume_ids=tuple(committed)))[0]
-    assert committed + resumed.new_token_ids == whole
+    assert committed + resumed.token_ids == whole
     with pytest.raises(RequestError, match="after the prompt, must end a block"):
         engine.make_request(PROMPT, SamplingParams(max_tokens=4 * size, resume_ids=tuple(whole[:size])))

@@ -59,11 +59,11 @@ def test_an_answer_ends_before_the_first_end_id_and_never_returns_it(checkpoint_
     engine = Engine.from_pretrained(path, EngineConfig(max_batch=1, model_overrides=OVERRIDES[arch]))
     size = engine.block_length
     params = SamplingParams(max_tokens=4 * size, ignore_eos=True)
-    free_run = engine.generate(["Tell me a story."], params)[0].new_token_ids
+    free_run = engine.generate(["Tell me a story."], params)[0].token_ids
     stop = next(t for t in free_run[2 * size:] if t != EOS_ID)
     overrides = {**OVERRIDES[arch], "stop_token_ids": [stop]}
     engine = Engine.from_pretrained(path, EngineConfig(max_batch=1, model_overrides=overrides))
     output = engine.generate(["Tell me a story."], SamplingParams(max_tokens=4 * size))[0]
     ends = [i for i, t in enumerate(free_run) if t in (stop, EOS_ID)]
-    assert output.new_token_ids == free_run[:ends[0]]
-    assert output.finish_reason is FinishReason.STOP and stop not in output.new_token_ids
+    assert output.token_ids == free_run[:ends[0]]
+    assert output.finish_reason == FinishReason.STOP and stop not in output.token_ids

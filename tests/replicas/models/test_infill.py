@@ -51,7 +51,7 @@ def test_every_forward_attends_to_the_suffix_as_a_dense_forward_does(checkpoint_
     free = engine.pool.num_free
     output = engine.generate([PROMPT], SamplingParams(max_tokens=2 * size, ignore_eos=True,
                                                       suffix_ids=tuple(SUFFIX)))[0]
-    assert len(output.new_token_ids) == 2 * size and engine.pool.num_free == free
+    assert len(output.token_ids) == 2 * size and engine.pool.num_free == free
     assert len(seen) >= 2
     for sequence, block_start, logits in seen:
         assert sequence[:len(PROMPT)] == PROMPT and sequence[-len(SUFFIX):] == SUFFIX
@@ -61,7 +61,7 @@ def test_every_forward_attends_to_the_suffix_as_a_dense_forward_does(checkpoint_
         assert not torch.allclose(logits, without, atol=1e-3)  # the suffix is attended
     # the answer is what fills the gap: the last forward's canvas with its masks filled
     final = seen[-1][0][len(PROMPT):len(PROMPT) + 2 * size]
-    assert all(seen_token in (token, engine.spec.mask_token_id) for token, seen_token in zip(output.new_token_ids, final))
+    assert all(seen_token in (token, engine.spec.mask_token_id) for token, seen_token in zip(output.token_ids, final))
 
 
 def test_the_suffix_changes_the_answer_and_the_dual_cache_serves_it(checkpoint_engine):
@@ -69,7 +69,7 @@ def test_the_suffix_changes_the_answer_and_the_dual_cache_serves_it(checkpoint_e
     answers = {}
     for kv_cache in ("prefix", "none"):
         engine = checkpoint_engine("LLaDAModelLM", max_batch=2, kv_cache=kv_cache)
-        answers[kv_cache] = [out.new_token_ids for out in engine.generate(
+        answers[kv_cache] = [out.token_ids for out in engine.generate(
             [PROMPT, PROMPT], [SamplingParams(max_tokens=2 * size, ignore_eos=True, suffix_ids=tuple(SUFFIX)),
                                SamplingParams(max_tokens=2 * size, ignore_eos=True)])]
     assert answers["none"][0] != answers["none"][1]  # what comes after shapes the answer

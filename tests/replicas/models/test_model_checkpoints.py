@@ -23,7 +23,7 @@ def test_modes_are_identical_at_batch_1(checkpoint_dir, arch):
         engine = Engine.from_pretrained(str(path), EngineConfig(mode=mode.value, max_batch=1,
                                                                 model_overrides=OVERRIDES[arch]))
         params = SamplingParams(max_tokens=2 * engine.block_length, ignore_eos=True)
-        outputs[mode] = [o.new_token_ids for o in engine.generate(PROMPTS, params)]
+        outputs[mode] = [o.token_ids for o in engine.generate(PROMPTS, params)]
     assert all(len(ids) == 2 * engine.block_length for ids in outputs[SchedulerMode.FDFO])
     assert all(outputs[mode] == outputs[SchedulerMode.FDFO] for mode in SchedulerMode)
 
@@ -32,7 +32,7 @@ def test_modes_are_identical_at_batch_1(checkpoint_dir, arch):
 def test_bidirectional_models_without_cache_at_batch_4(checkpoint_dir, arch):
     engine = Engine.from_pretrained(str(checkpoint_dir(arch)), EngineConfig(max_batch=4, kv_cache="none"))
     outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=64, ignore_eos=True))
-    assert [len(o.new_token_ids) for o in outputs] == [64] * len(PROMPTS)
+    assert [len(o.token_ids) for o in outputs] == [64] * len(PROMPTS)
 
 
 @pytest.mark.parametrize("arch", CHECKPOINTS)

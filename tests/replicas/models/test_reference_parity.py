@@ -92,15 +92,15 @@ def test_the_engine_reproduces_the_published_generation(checkpoints, fixture_id)
     path, output = run_fixture(checkpoints, fixture, kv_cache="none")
     assert weights_sha256(path) == fixture["weights_sha256"], "the checkpoint builder changed: remake the fixtures"
     expected = expected_answer(fixture)
-    assert output.new_token_ids == expected
+    assert output.token_ids == expected
     stopped = len(expected) < len(fixture["generated_ids"])
-    assert output.finish_reason is (FinishReason.STOP if stopped else FinishReason.LENGTH)
+    assert output.finish_reason == (FinishReason.STOP if stopped else FinishReason.LENGTH)
 
 
 @pytest.mark.parametrize("fixture_id", sorted(f for f in FIXTURES if FIXTURES[f]["family"] in ("sdar", "llada2")))
 def test_the_block_causal_default_cache_is_exact_too(checkpoints, fixture_id):
     fixture = FIXTURES[fixture_id]
-    assert run_fixture(checkpoints, fixture, kv_cache="prefix")[1].new_token_ids == expected_answer(fixture)
+    assert run_fixture(checkpoints, fixture, kv_cache="prefix")[1].token_ids == expected_answer(fixture)
 
 
 def agreement(checkpoints, family: str, kv_cache: str = "prefix") -> float:
@@ -108,7 +108,7 @@ def agreement(checkpoints, family: str, kv_cache: str = "prefix") -> float:
     same = total = 0
     for fixture in (f for f in FIXTURES.values() if f["family"] == family):
         expected = expected_answer(fixture)
-        got = run_fixture(checkpoints, fixture, kv_cache)[1].new_token_ids
+        got = run_fixture(checkpoints, fixture, kv_cache)[1].token_ids
         same += sum(a == b for a, b in zip(got, expected))
         total += len(expected)
     return same / total

@@ -40,15 +40,15 @@ def test_resumed_request_equals_the_uninterrupted_one(engine_for, arch, sampling
     size = engine.block_length
     params = SamplingParams(max_tokens=3 * size + 3, ignore_eos=True, **sampling)
     whole = run(engine, PROMPT, params)
-    assert len(whole.new_token_ids) == 3 * size + 3
+    assert len(whole.token_ids) == 3 * size + 3
     for blocks in (1, 3):
         done = committed_tokens(engine, blocks)
         resumed = run(engine, PROMPT, SamplingParams(
-            max_tokens=params.max_tokens, ignore_eos=True, resume_ids=tuple(whole.new_token_ids[:done]), **sampling))
-        assert resumed.new_token_ids == whole.new_token_ids[done:]
-        assert resumed.num_output_tokens == len(whole.new_token_ids)
-        prefix = engine.tokenizer.decode(whole.new_token_ids[:done], skip_special_tokens=True)
-        assert prefix + resumed.new_text == whole.new_text
+            max_tokens=params.max_tokens, ignore_eos=True, resume_ids=tuple(whole.token_ids[:done]), **sampling))
+        assert resumed.token_ids == whole.token_ids[done:]
+        assert resumed.completion_tokens == len(whole.token_ids)
+        prefix = engine.tokenizer.decode(whole.token_ids[:done], skip_special_tokens=True)
+        assert prefix + resumed.text == whole.text
     assert engine.pool.num_free == engine.pool.capacity
 
 
@@ -59,10 +59,10 @@ def test_resumed_request_shares_a_batch_with_fresh_ones(make_engine):
     prompts = ["abc", "hello world", "q"]
     whole = engine.generate(prompts, params)
     resumed = engine.generate(prompts, [
-        params, SamplingParams(max_tokens=4 * size, ignore_eos=True, resume_ids=tuple(whole[1].new_token_ids[:2 * size])),
+        params, SamplingParams(max_tokens=4 * size, ignore_eos=True, resume_ids=tuple(whole[1].token_ids[:2 * size])),
         params])
-    assert [o.new_token_ids for o in resumed] == [whole[0].new_token_ids, whole[1].new_token_ids[2 * size:],
-                                                 whole[2].new_token_ids]
+    assert [o.token_ids for o in resumed] == [whole[0].token_ids, whole[1].token_ids[2 * size:],
+                                                 whole[2].token_ids]
 
 
 @pytest.mark.parametrize("resume, message", [
