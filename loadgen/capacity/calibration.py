@@ -1,6 +1,7 @@
 """Step-cost and step-count calibration: what the simulator and the fill-timeout rule need.
 
-A calibration is one JSON object::
+A calibration is a ``Calibration`` (a pydantic model: the schema below is its fields,
+checked once where one is read), on disk one JSON object::
 
     {"c0": 0.004,                  # seconds per step, fixed part (dispatch overhead)
      "c1": 0.0003,                 # seconds per step per row in the batch
@@ -31,7 +32,7 @@ them on a live cluster.
 
 ``load_points`` (optional) hold the step costs and overheads measured at several arrival
 rates per replica, because on a shared machine the serving path takes CPU from the
-engine as load grows. ``at_rate(calibration, rate)`` interpolates them linearly in the
+engine as load grows. ``Calibration.at_rate(rate)`` interpolates them linearly in the
 rate (clamped to the measured range; spreads and overheads quantile by quantile; a path
 is taken from the nearer point), and the top-level values are those of the lowest rate.
 """
@@ -42,128 +43,143 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loadgen.capacity.step_cost import step_calibration
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true/false")
+    return value
+
+
+def _as_list(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+Number = Annotated[float, BeforeValidator(_not_bool), Field(ge=0, allow_inf_nan=False)]
+Positive = Annotated[float, BeforeValidator(_not_bool), Field(gt=0, allow_inf_nan=False)]
+Level = Annotated[float, BeforeValidator(_not_bool), Field(ge=0, le=1)]
+# a number or a non-empty list of numbers: equally likely values
+Values = Annotated[list[Number], BeforeValidator(_as_list), Field(min_length=1)]
+PositiveValues = Annotated[list[Positive], BeforeValidator(_as_list), Field(min_length=1)]
+
+
+class LoadCosts(BaseModel):
+    """The step costs and request overheads measured at one load."""
+
+    model_config = ConfigDict(frozen=True)  # fields it does not know (a newer file's) are left out
+
+    c0: Number  # seconds per step, fixed part
+    c1: Number  # seconds per step per row
+    prefill_s: Number = 0.0  # seconds more per request whose prompt a step computes
+    step_cost_spread: PositiveValues = [1.0]  # multipliers of the fit, equally likely
+    step_cost_path: list[Level] = []  # the multipliers' ranks in time order (levels in [0, 1])
+    request_overhead_s: Values = [0.0]  # seconds outside the engine per request, equally likely
+
+    @model_validator(mode="after")
+    def _some_cost(self):
+        if self.c0 + self.c1 <= 0:
+            raise ValueError(f"need c0 + c1 > 0, got c0={self.c0}, c1={self.c1}")
+        return self
+
+
+class LoadPoint(LoadCosts):
+    rate: Positive  # arrivals per second per replica
+
+
+LOAD_FIELDS = tuple(LoadCosts.model_fields)
+
+
+def _distribution(raw: Mapping[int, Number]) -> dict[int, float]:
+    """``{level: weight}`` normalized (levels >= 1, some weight > 0), sorted, zeros dropped."""
+    if not raw:
+        raise ValueError("must be a non-empty object {level: probability}")
+    if min(raw) < 1:
+        raise ValueError(f"levels must be >= 1, got {min(raw)}")
+    total = sum(raw.values())
+    if total <= 0:
+        raise ValueError("has no positive weight")
+    return {level: w / total for level, w in sorted(raw.items()) if w > 0}
+
+
+class Calibration(LoadCosts):
+    max_batch: Annotated[int, Field(ge=1, strict=True)]  # rows per step of the measured engine
+    steps_per_block: dict[int, Number]  # P(a block takes s steps)
+    blocks_per_request: dict[int, Number]  # P(a request has k blocks)
+    load_points: list[LoadPoint] | None = None
+    source: str = ""  # where the numbers come from
+
+    _normalized = field_validator("steps_per_block", "blocks_per_request")(_distribution)
+
+    @field_validator("load_points")
+    @classmethod
+    def _by_rate(cls, points: list[LoadPoint] | None) -> list[LoadPoint] | None:
+        if points is None:
+            return None
+        if not points:
+            raise ValueError("must be a non-empty list of load points")
+        points = sorted(points, key=lambda p: p.rate)
+        if len({p.rate for p in points}) != len(points):
+            raise ValueError("two load points have the same rate")
+        return points
+
+    @model_validator(mode="after")
+    def _lowest_rate_on_top(self):
+        if not self.load_points:
+            return self
+        return self.model_copy(update=self.load_points[0].model_dump(include=set(LOAD_FIELDS)))
+
+    @classmethod
+    def of(cls, raw: "Calibration | Mapping") -> "Calibration":
+        """``raw`` checked; ``ValueError`` naming the first bad field."""
+        if isinstance(raw, Calibration):
+            return raw
+        if not isinstance(raw, Mapping):
+            raise ValueError("calibration: expected a JSON object")
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = "".join(f"{'.' if i else ''}{part}" for i, part in enumerate(error["loc"]))
+            raise ValueError(f"calibration: {where + ': ' if where else ''}{error['msg']}") from None
+
+    def replaced(self, **changes) -> "Calibration":
+        """This calibration with some fields changed, checked again."""
+        return Calibration.of({**self.model_dump(), **changes})
+
+    def at_rate(self, rate: float) -> "Calibration":
+        """Its load-dependent fields at ``rate`` requests/s per replica (itself without load points)."""
+        points = self.load_points
+        if not points:
+            return self
+        rates = [p.rate for p in points]
+        upper = min(max(int(np.searchsorted(rates, rate)), 1), len(points) - 1) if len(points) > 1 else 0
+        low, high = points[max(upper - 1, 0)], points[upper]
+        span = high.rate - low.rate
+        weight = min(max((rate - low.rate) / span, 0.0), 1.0) if span > 0 else 0.0
+        return self.model_copy(update={k: _interpolate(k, getattr(low, k), getattr(high, k), weight)
+                                       for k in LOAD_FIELDS})
+
+    def to_json(self) -> str:
+        data = self.model_dump(mode="json", exclude_none=True)
+        for name in ("steps_per_block", "blocks_per_request"):
+            data[name] = {k: round(v, 6) for k, v in data[name].items()}
+        return json.dumps(data, indent=2) + "\n"
+
 
 # Measured on the embedded tiny model (low_confidence, fp32, one torch thread on a shared
 # 2-core CPU; closed fdfo batches at max_batch 1..24, 2745 blocks, 400 requests). A
 # stand-in until `dllm-serve bench` writes a calibration of the engine that will serve.
-DEFAULT_CALIBRATION = {
-    "c0": 0.0058,
-    "c1": 0.0022,
-    "max_batch": 16,
-    "steps_per_block": {2: 0.718, 3: 0.121, 4: 0.068, 5: 0.038, 6: 0.028, 7: 0.014, 8: 0.007, 9: 0.005},
-    "blocks_per_request": {2: 0.168, 3: 0.228, 4: 0.125, 5: 0.138, 6: 0.17, 7: 0.172},
-    "source": "built-in default: the tiny model on a shared 2-core CPU (illustrative, not your engine)",
-}
-
-
-def _distribution(raw: Mapping, name: str) -> dict[int, float]:
-    """Validate and normalize ``{level: weight}`` (keys may be JSON strings)."""
-    if not isinstance(raw, Mapping) or not raw:
-        raise ValueError(f"calibration: {name} must be a non-empty object {{level: probability}}")
-    out = {}
-    for key, weight in raw.items():
-        try:
-            level, weight = int(key), float(weight)
-        except (TypeError, ValueError):
-            raise ValueError(f"calibration: {name} has a bad entry {key!r}: {weight!r}") from None
-        if level < 1 or not weight >= 0 or not np.isfinite(weight):
-            raise ValueError(f"calibration: {name} needs levels >= 1 and finite weights >= 0, got {key!r}: {weight!r}")
-        out[level] = out.get(level, 0.0) + weight
-    total = sum(out.values())
-    if total <= 0:
-        raise ValueError(f"calibration: {name} has no positive weight")
-    return {level: w / total for level, w in sorted(out.items()) if w > 0}
-
-
-def _values(raw, name: str, positive: bool) -> list[float]:
-    """A number or a non-empty list of numbers, all finite and > 0 (or >= 0), as a list."""
-    items = raw if isinstance(raw, (list, tuple)) else [raw]
-    try:
-        values = [float(v) for v in items if not isinstance(v, bool)]
-    except (TypeError, ValueError):
-        values = []
-    bound = "> 0" if positive else ">= 0"
-    if (not values or len(values) != len(items) or not all(np.isfinite(values))
-            or any(v <= 0 if positive else v < 0 for v in values)):
-        raise ValueError(f"calibration: {name} must be a number or a non-empty list of numbers {bound}")
-    return values
-
-
-LOAD_FIELDS = ("c0", "c1", "prefill_s", "step_cost_spread", "step_cost_path", "request_overhead_s")
-
-
-def _number(raw: Mapping, name: str, default: float | None = None) -> float:
-    """``raw[name]`` as a finite number >= 0 (``default`` when absent, if given)."""
-    if name not in raw and default is not None:
-        return default
-    value = raw.get(name)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"calibration: {name} must be a number, got {value!r}") from None
-    if isinstance(value, bool) or not np.isfinite(number) or number < 0:
-        raise ValueError(f"calibration: {name} must be a finite number >= 0, got {value!r}")
-    return number
-
-
-def _load_fields(raw: Mapping) -> dict:
-    """The load-dependent fields of a calibration or of one of its load points, checked."""
-    c0, c1 = _number(raw, "c0"), _number(raw, "c1")
-    if c0 + c1 <= 0:
-        raise ValueError(f"calibration: need c0 + c1 > 0, got c0={c0}, c1={c1}")
-    path = raw.get("step_cost_path", [])
-    if not isinstance(path, (list, tuple)) or (path and not all(0 <= v <= 1 for v in _values(
-            path, "step_cost_path", positive=False))):
-        raise ValueError("calibration: step_cost_path must be a list of levels in [0, 1]")
-    return {"c0": c0, "c1": c1, "prefill_s": _number(raw, "prefill_s", 0.0),
-            "step_cost_spread": _values(raw.get("step_cost_spread", [1.0]), "step_cost_spread", positive=True),
-            "step_cost_path": [float(v) for v in path],
-            "request_overhead_s": _values(raw.get("request_overhead_s", 0.0), "request_overhead_s",
-                                          positive=False)}
-
-
-def _load_points(raw) -> list[dict]:
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise ValueError("calibration: load_points must be a non-empty list of objects")
-    points = []
-    for index, point in enumerate(raw):
-        if not isinstance(point, Mapping):
-            raise ValueError("calibration: every load point must be an object with a rate")
-        try:
-            rate = _number(point, "rate")
-            if rate <= 0:
-                raise ValueError(f"calibration: rate must be > 0, got {rate}")
-            points.append({"rate": rate, **_load_fields(point)})
-        except ValueError as exc:
-            raise ValueError(str(exc).replace("calibration: ", f"calibration: load point {index}: ", 1)) from None
-    points.sort(key=lambda p: p["rate"])
-    if len({p["rate"] for p in points}) != len(points):
-        raise ValueError("calibration: two load points have the same rate")
-    return points
-
-
-def validate_calibration(raw: Mapping) -> dict:
-    """A checked, normalized copy of ``raw``; ``ValueError`` naming the first bad field."""
-    if not isinstance(raw, Mapping):
-        raise ValueError("calibration: expected a JSON object")
-    missing = [k for k in ("c0", "c1", "max_batch", "steps_per_block", "blocks_per_request") if k not in raw]
-    if missing:
-        raise ValueError(f"calibration: missing {', '.join(missing)}")
-    max_batch = raw["max_batch"]
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"calibration: max_batch must be an integer >= 1, got {max_batch!r}")
-    checked = {**_load_fields(raw), "max_batch": max_batch,
-               "steps_per_block": _distribution(raw["steps_per_block"], "steps_per_block"),
-               "blocks_per_request": _distribution(raw["blocks_per_request"], "blocks_per_request"),
-               "source": str(raw.get("source", ""))}
-    if raw.get("load_points") is not None:
-        checked["load_points"] = _load_points(raw["load_points"])
-        checked.update({k: checked["load_points"][0][k] for k in LOAD_FIELDS})
-    return checked
+DEFAULT_CALIBRATION = Calibration(
+    c0=0.0058, c1=0.0022, max_batch=16,
+    steps_per_block={2: 0.718, 3: 0.121, 4: 0.068, 5: 0.038, 6: 0.028, 7: 0.014, 8: 0.007, 9: 0.005},
+    blocks_per_request={2: 0.168, 3: 0.228, 4: 0.125, 5: 0.138, 6: 0.17, 7: 0.172},
+    source="built-in default: the tiny model on a shared 2-core CPU (illustrative, not your engine)")
 
 
 def _interpolate(name: str, low, high, weight: float):
@@ -179,45 +195,27 @@ def _interpolate(name: str, low, high, weight: float):
     return (1 - weight) * low + weight * high
 
 
-def at_rate(calibration: Mapping, rate: float) -> dict:
-    """The calibration with its load-dependent fields at ``rate`` requests/s per replica
-    (unchanged when it has no load points)."""
-    cal = validate_calibration(calibration)
-    points = cal.get("load_points")
-    if not points:
-        return cal
-    rates = [p["rate"] for p in points]
-    upper = min(max(int(np.searchsorted(rates, rate)), 1), len(points) - 1) if len(points) > 1 else 0
-    low, high = points[max(upper - 1, 0)], points[upper]
-    span = high["rate"] - low["rate"]
-    weight = min(max((rate - low["rate"]) / span, 0.0), 1.0) if span > 0 else 0.0
-    return {**cal, **{k: _interpolate(k, low[k], high[k], weight) for k in LOAD_FIELDS}}
-
-
 def fit_calibration(step_records: Iterable[tuple[int, int, float]], block_steps: Iterable[int],
                     blocks_per_request: Iterable[int], prefix_units_per_request: float, max_batch: int,
-                    source: str = "fit") -> dict:
+                    source: str = "fit") -> Calibration:
     """A calibration from an engine run: per-step (rows, prompt units, seconds), steps of
     every committed block, blocks of every finished request, mean prompt units per request."""
-    return validate_calibration({
+    return Calibration.of({
         **step_calibration(step_records, prefix_units_per_request), "max_batch": max_batch,
         "steps_per_block": Counter(int(s) for s in block_steps),
         "blocks_per_request": Counter(int(k) for k in blocks_per_request),
         "source": source})
 
 
-def save_calibration(calibration: Mapping, path: str | Path) -> None:
-    checked = validate_calibration(calibration)
-    for name in ("steps_per_block", "blocks_per_request"):
-        checked[name] = {str(k): round(v, 6) for k, v in checked[name].items()}
-    Path(path).write_text(json.dumps(checked, indent=2) + "\n")
+def save_calibration(calibration: Calibration | Mapping, path: str | Path) -> None:
+    Path(path).write_text(Calibration.of(calibration).to_json())
 
 
-def load_calibration(path: str | Path) -> dict:
+def load_calibration(path: str | Path) -> Calibration:
     try:
         raw = json.loads(Path(path).read_text())
     except OSError as exc:
         raise ValueError(f"cannot read calibration {path}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"calibration {path} is not JSON: {exc.msg} (line {exc.lineno})") from None
-    return validate_calibration(raw)
+    return Calibration.of(raw)

@@ -24,6 +24,7 @@ import numpy as np
 from loadgen import client
 from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
 from loadgen.capacity import simulator
+from loadgen.capacity.calibration import Calibration
 from loadgen.capacity.live_calibration import CalibrationPlan, calibrate, measure_load
 from loadgen.stats import summarize
 
@@ -35,7 +36,7 @@ def _ratio(predicted: float | None, measured: float | None) -> float | None:
     return round(predicted / measured, 3) if predicted is not None and measured else None
 
 
-def predict(calibrations: list[dict], arrival_times: list[float], policy: str, replicas: int, seed: int,
+def predict(calibrations: list[Calibration], arrival_times: list[float], policy: str, replicas: int, seed: int,
             draws: int = SIM_DRAWS) -> dict:
     """p50/p99 latency the simulator predicts for requests arriving at ``arrival_times``:
     ``draws`` runs, each with its own draws of blocks, steps and step costs, taking the
@@ -91,10 +92,10 @@ async def bench_calibration(endpoint: client.Endpoint, plan: CalibrationPlan, ra
                 await calibrate_next()
             around = list(range(len(calibrations)))[-2:] if recalibrate else [0]
             predicted = predict([calibrations[i] for i in around], times, policy, plan.replicas, seed)
-            replayed = predict([{**calibrations[0], "load_points": [own]}], times, policy, plan.replicas, seed)
+            replayed = predict([calibrations[0].replaced(load_points=[own])], times, policy, plan.replicas, seed)
             rows.append({**compare_row(rate, summarize(records, rate), predicted, replayed, own),
                          "calibrations": around})
-    return {"calibrations": [c["source"] for c in calibrations], "policy": policy, "replicas": plan.replicas,
+    return {"calibrations": [c.source for c in calibrations], "policy": policy, "replicas": plan.replicas,
             "rows": rows, "tolerance": TOLERANCE, "holds": holds(rows), "replay_holds": holds(rows, "replay")}
 
 

@@ -11,8 +11,7 @@ import sys
 
 from loadgen.arrivals import load_trace
 from loadgen.capacity import simulator as sim
-from loadgen.capacity.calibration import (DEFAULT_CALIBRATION, load_calibration, save_calibration,
-                                          validate_calibration)
+from loadgen.capacity.calibration import DEFAULT_CALIBRATION, load_calibration, save_calibration
 from loadgen.capacity.calibration_bench import bench_calibration, format_comparison
 from loadgen.capacity.live_calibration import CalibrationPlan, calibrate
 from loadgen.cli import add_endpoint_options, endpoint_from_args, positive_number, rate_list, run_command
@@ -78,7 +77,7 @@ def run_calibrate(args) -> int:
     def work() -> int:
         calibration = asyncio.run(calibrate(endpoint_from_args(args), _plan(args), args.quiet))
         save_calibration(calibration, args.out)
-        print(f"wrote {args.out}: {calibration['source']}")
+        print(f"wrote {args.out}: {calibration.source}")
         return 0
 
     return run_command("calibrate", work)
@@ -116,12 +115,12 @@ def run_simulate(args) -> int:
     if args.calibration:
         cal = load_calibration(args.calibration)
     else:
-        cal = validate_calibration(DEFAULT_CALIBRATION)
+        cal = DEFAULT_CALIBRATION
         print("note: built-in calibration (the tiny model on a 2-core CPU, illustrative); "
               "pass --calibration FILE to plan for your engine", file=sys.stderr)
     debt = args.max_step_debt
     if debt == "slo":
-        debt = cal["max_batch"] / (cal["c0"] + cal["c1"] * cal["max_batch"]) * args.slo_latency
+        debt = cal.max_batch / (cal.c0 + cal.c1 * cal.max_batch) * args.slo_latency
     elif debt is not None:
         try:
             debt = float(debt)
@@ -164,9 +163,9 @@ def run_simulate(args) -> int:
         if args.plot:
             sim.plot_sweep(rows, args.plot, args.slo_latency)
     if args.json:
-        print(json.dumps({"calibration": cal, kind: rows}))
+        print(json.dumps({"calibration": cal.model_dump(mode="json", exclude_none=True), kind: rows}))
     else:
-        print(f"calibration: {cal['source'] or args.calibration}; per replica: fixed_fill capacity "
+        print(f"calibration: {cal.source or args.calibration}; per replica: fixed_fill capacity "
               f"{sim.fixed_fill_capacity(cal):.4g} req/s, throughput bound {sim.throughput_bound(cal):.4g} req/s")
         print(sim.format_rows(rows, _SIM_COLUMNS[kind]))
     return 0

@@ -35,7 +35,7 @@ import numpy as np
 
 from loadgen import client
 from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
-from loadgen.capacity.calibration import LOAD_FIELDS, validate_calibration
+from loadgen.capacity.calibration import LOAD_FIELDS, Calibration
 from loadgen.capacity.step_cost import fit_step_cost_by_load, step_calibration
 from loadgen.records import OK, LoadgenError, Record
 from loadgen.loops import Progress, run_open_loop
@@ -104,7 +104,7 @@ async def measure_load(http: client.HttpClient, endpoint: client.Endpoint, rate:
     return point, pooled, records
 
 
-async def calibrate(endpoint: client.Endpoint, plan: CalibrationPlan, quiet: bool = False) -> dict:
+async def calibrate(endpoint: client.Endpoint, plan: CalibrationPlan, quiet: bool = False) -> Calibration:
     """A validated calibration of the cluster behind ``endpoint`` (see the module doc)."""
     points, loads, steps, blocks, heard = [], [], Counter(), Counter(), 0
     async with client.make_client(endpoint) as http:
@@ -124,7 +124,7 @@ async def calibrate(endpoint: client.Endpoint, plan: CalibrationPlan, quiet: boo
         point.update(step_calibration(load["step_periods"], load["prefix_units_per_request"], cost=(c0, c1, c2)))
     described = ", ".join(f"{p['rate']:g}/s: c0 {p['c0'] * 1e3:.1f} ms, c1 {p['c1'] * 1e3:.2f} ms, "
                           f"overhead {statistics.median(p['request_overhead_s']) * 1e3:.0f} ms" for p in points)
-    return validate_calibration({
+    return Calibration.of({
         **points[0], "max_batch": pooled["max_batch"], "steps_per_block": steps, "blocks_per_request": blocks,
         "load_points": points,
         "source": f"dllm-serve calibrate {endpoint.url}, {plan.replicas} replica(s) ({heard} stepping), "

@@ -37,7 +37,7 @@ from typing import Protocol
 
 import numpy as np
 
-from loadgen.capacity.calibration import at_rate, validate_calibration
+from loadgen.capacity.calibration import Calibration, LoadCosts
 from replicas.batching import (MODES, Phase, RowAction, SchedulerMode, admission_open, end_of_round,
                                may_hold_for_arrivals, waits_to_fill)
 from replicas.fill_timeout import batch_capacity, fdfo_hold, optimal_fill_timeout
@@ -67,19 +67,19 @@ def _draw(rng: np.random.Generator, dist: Mapping[int, float], size) -> np.ndarr
     return rng.choice(levels, size=size, p=np.fromiter(dist.values(), dtype=float))
 
 
-def trace_workload(calibration: Mapping, arrival_times, seed: int = 0) -> Workload:
+def trace_workload(calibration: Calibration | Mapping, arrival_times, seed: int = 0) -> Workload:
     """Requests at the given arrival times with blocks and steps drawn from the calibration."""
-    cal = validate_calibration(calibration)
+    cal = Calibration.of(calibration)
     arrival = np.sort(np.asarray(arrival_times, dtype=float))
     if arrival.ndim != 1 or len(arrival) == 0 or not np.all(np.isfinite(arrival)):
         raise ValueError("a workload needs at least one finite arrival time")
     rng = np.random.default_rng([seed, 1])
-    blocks = _draw(rng, cal["blocks_per_request"], len(arrival))
-    steps = _draw(rng, cal["steps_per_block"], (len(arrival), max(cal["blocks_per_request"])))
+    blocks = _draw(rng, cal.blocks_per_request, len(arrival))
+    steps = _draw(rng, cal.steps_per_block, (len(arrival), max(cal.blocks_per_request)))
     return Workload(arrival, blocks, steps, seed)
 
 
-def poisson_workload(calibration: Mapping, rate: float, requests: int, seed: int = 0) -> Workload:
+def poisson_workload(calibration: Calibration | Mapping, rate: float, requests: int, seed: int = 0) -> Workload:
     """``requests`` Poisson arrivals of ``rate`` per second. The same seed gives the same
     requests at every rate (gaps are unit-rate draws scaled by 1/rate)."""
     if not (rate > 0 and math.isfinite(rate)):
@@ -110,11 +110,11 @@ class CalibratedSteps:
     value at the path's next level: the path is played from a random start and round
     again, so that slow steps come in runs as long as the measured ones."""
 
-    def __init__(self, calibration: Mapping, rng: np.random.Generator):
-        self.c0, self.c1, self.prefill_s = calibration["c0"], calibration["c1"], calibration.get("prefill_s", 0.0)
-        self.multipliers = np.sort(np.asarray(calibration.get("step_cost_spread", [1.0]), dtype=float))
+    def __init__(self, costs: LoadCosts, rng: np.random.Generator):
+        self.c0, self.c1, self.prefill_s = costs.c0, costs.c1, costs.prefill_s
+        self.multipliers = np.sort(np.asarray(costs.step_cost_spread, dtype=float))
         n = len(self.multipliers)
-        path = np.asarray(calibration.get("step_cost_path", []), dtype=float)
+        path = np.asarray(costs.step_cost_path, dtype=float)
         self.path = np.minimum((path * n).astype(np.int64), n - 1)
         self.rng = rng
         self.position = int(rng.integers(len(self.path))) if len(self.path) else 0
@@ -290,14 +290,14 @@ class SimResult:
     fill_timeout: float | None  # the τ fixed_fill used
 
 
-def admission_cost(calibration: Mapping, quantile: float = 1.0) -> float:
+def admission_cost(calibration: Calibration | Mapping, quantile: float = 1.0) -> float:
     """Row-steps charged per request: most blocks x the quantile of steps per block."""
-    cal = validate_calibration(calibration)
-    most_blocks = max(cal["blocks_per_request"])
-    return request_cost(most_blocks, 1, steps_quantile(cal["steps_per_block"], quantile))  # blocks of one
+    cal = Calibration.of(calibration)
+    most_blocks = max(cal.blocks_per_request)
+    return request_cost(most_blocks, 1, steps_quantile(cal.steps_per_block, quantile))  # blocks of one
 
 
-def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: int = 1,
+def simulate(calibration: Calibration | Mapping, workload: Workload, policy: str, replicas: int = 1,
              fill_timeout: float | None = None, fdfo_fill_hold: bool = True,
              max_step_debt: float | None = None, cost_quantile: float = 1.0,
              step_costs: StepCosts | None = None) -> SimResult:
@@ -319,11 +319,11 @@ def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: in
         raise ValueError(f"the step-debt bound must be > 0 row-steps, got {max_step_debt}")
     mode = SchedulerMode(policy)
     rate = workload.rate / replicas
-    cal = at_rate(calibration, rate)
-    max_batch, c0, c1 = cal["max_batch"], cal["c0"], cal["c1"]
+    cal = Calibration.of(calibration).at_rate(rate)
+    max_batch, c0, c1 = cal.max_batch, cal.c0, cal.c1
     tau = None
     if mode is SchedulerMode.FIXED_FILL:
-        tau = optimal_fill_timeout(rate, max_batch, c0, c1, cal["steps_per_block"], cal["blocks_per_request"]) \
+        tau = optimal_fill_timeout(rate, max_batch, c0, c1, cal.steps_per_block, cal.blocks_per_request) \
             if fill_timeout is None else fill_timeout
 
     def hold(rows: int) -> float:
@@ -362,7 +362,7 @@ def simulate(calibration: Mapping, workload: Workload, policy: str, replicas: in
             heapq.heappush(events, (t, target))
     act_before(math.inf)
     replica = np.asarray(ledger.replica)
-    overhead = rng.choice(cal["request_overhead_s"], size=len(workload.arrival))
+    overhead = rng.choice(cal.request_overhead_s, size=len(workload.arrival))
     return SimResult(workload.arrival, np.asarray(ledger.finish) - workload.arrival + overhead,
                      np.asarray(ledger.ttfb) + overhead, replica < 0, replica, tau)
 
@@ -393,27 +393,27 @@ def summarize(result: SimResult, slo_latency: float | None = None) -> dict:
 
 
 # ---- questions: sweeps and searches -------------------------------------------------------
-def throughput_bound(calibration: Mapping) -> float:
+def throughput_bound(calibration: Calibration | Mapping) -> float:
     """Requests per second no policy can beat on one replica: full batches every step."""
-    cal = validate_calibration(calibration)
-    row_steps = sum(k * p for k, p in cal["blocks_per_request"].items()) * sum(
-        s * p for s, p in cal["steps_per_block"].items())
-    return cal["max_batch"] / ((cal["c0"] + cal["c1"] * cal["max_batch"]) * row_steps)
+    cal = Calibration.of(calibration)
+    row_steps = sum(k * p for k, p in cal.blocks_per_request.items()) * sum(
+        s * p for s, p in cal.steps_per_block.items())
+    return cal.max_batch / ((cal.c0 + cal.c1 * cal.max_batch) * row_steps)
 
 
-def fixed_fill_capacity(calibration: Mapping) -> float:
+def fixed_fill_capacity(calibration: Calibration | Mapping) -> float:
     """Requests per second of one replica running full batch-synchronous batches."""
-    cal = validate_calibration(calibration)
-    return batch_capacity(cal["max_batch"], cal["c0"], cal["c1"], cal["steps_per_block"], cal["blocks_per_request"])
+    cal = Calibration.of(calibration)
+    return batch_capacity(cal.max_batch, cal.c0, cal.c1, cal.steps_per_block, cal.blocks_per_request)
 
 
-def run(calibration: Mapping, policy: str, rate: float, requests: int = 4000, seed: int = 0,
+def run(calibration: Calibration | Mapping, policy: str, rate: float, requests: int = 4000, seed: int = 0,
         **options) -> SimResult:
     """Simulate ``requests`` Poisson arrivals at ``rate`` (options as for ``simulate``)."""
     return simulate(calibration, poisson_workload(calibration, rate, requests, seed), policy, **options)
 
 
-def compare(calibration: Mapping, workload: Workload, policies, slo_latency: float | None = None,
+def compare(calibration: Calibration | Mapping, workload: Workload, policies, slo_latency: float | None = None,
             rate: float | None = None, **options) -> list[dict]:
     """One summary per policy on the same workload, labelled with ``rate`` (default: the
     workload's mean arrival rate)."""
@@ -423,7 +423,7 @@ def compare(calibration: Mapping, workload: Workload, policies, slo_latency: flo
             for policy in policies]
 
 
-def sweep(calibration: Mapping, policies, rates, requests: int = 4000, seed: int = 0,
+def sweep(calibration: Calibration | Mapping, policies, rates, requests: int = 4000, seed: int = 0,
           slo_latency: float | None = None, **options) -> list[dict]:
     """One summary per (rate, policy), the same requests at every rate."""
     return [row for rate in rates
@@ -436,7 +436,7 @@ def _check_attainment(attainment: float) -> None:
         raise ValueError(f"the SLO attainment must be in (0, 1], got {attainment}")
 
 
-def find_max_rate(calibration: Mapping, policy: str, slo_latency: float, attainment: float = 0.99,
+def find_max_rate(calibration: Calibration | Mapping, policy: str, slo_latency: float, attainment: float = 0.99,
                   requests: int = 4000, seed: int = 0, tolerance: float = 0.01, **options) -> float:
     """Largest arrival rate (requests/s, to ``tolerance`` relative) at which at least
     ``attainment`` of the offered requests finish within ``slo_latency``; 0 if none does.
@@ -455,7 +455,7 @@ def find_max_rate(calibration: Mapping, policy: str, slo_latency: float, attainm
     return low
 
 
-def find_replicas(calibration: Mapping, policy: str, rate: float, slo_latency: float,
+def find_replicas(calibration: Calibration | Mapping, policy: str, rate: float, slo_latency: float,
                   attainment: float = 0.99, requests: int = 4000, seed: int = 0,
                   max_replicas: int = 1024, **options) -> int | None:
     """Fewest replicas that keep ``attainment`` of requests within ``slo_latency`` at
@@ -478,14 +478,14 @@ def find_replicas(calibration: Mapping, policy: str, rate: float, slo_latency: f
     return high
 
 
-def tau_table(calibration: Mapping, rates, requests: int = 20000, seed: int = 0,
+def tau_table(calibration: Calibration | Mapping, rates, requests: int = 20000, seed: int = 0,
               grid: int = 10) -> list[dict]:
     """Analytic fill timeout against the best of a simulated sweep, one row per rate:
     rate, analytic τ, best simulated τ, mean latency at each, and the gap in percent.
     The sweep tries τ = 0 and ``grid`` geometric steps from a tenth of a single
     request's service to twice the expected fill time (B−1)/λ."""
-    cal = validate_calibration(calibration)
-    single = 1.0 / batch_capacity(1, cal["c0"], cal["c1"], cal["steps_per_block"], cal["blocks_per_request"])
+    cal = Calibration.of(calibration)
+    single = 1.0 / batch_capacity(1, cal.c0, cal.c1, cal.steps_per_block, cal.blocks_per_request)
     rows = []
     for rate in rates:
         workload = poisson_workload(cal, rate, requests, seed)
@@ -495,7 +495,7 @@ def tau_table(calibration: Mapping, rates, requests: int = 20000, seed: int = 0,
             return result.fill_timeout, float(np.nanmean(result.latency))
 
         analytic, at_analytic = mean_latency(None)
-        top = max(2 * (cal["max_batch"] - 1) / rate, 2 * single)
+        top = max(2 * (cal.max_batch - 1) / rate, 2 * single)
         swept = [mean_latency(tau) for tau in [0.0, *np.geomspace(single / 10, top, grid)]]
         best, at_best = min(swept, key=lambda item: item[1])
         rows.append({"rate": float(rate), "analytic_tau_s": analytic, "best_tau_s": best,

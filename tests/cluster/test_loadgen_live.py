@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from loadgen.arrivals import poisson_times
-from loadgen.capacity.calibration import at_rate, load_calibration
+from loadgen.capacity.calibration import load_calibration
 
 RATE, DURATION_S, SEED = 8.0, 6.0, 3
 
@@ -75,19 +75,19 @@ def test_calibrate_measures_the_live_cluster(tiny_cluster, tmp_path, request):
                "--replicas", str(replicas), "--out", str(out), "--quiet")
     assert run.returncode == 0, run.stderr[-3000:]
     cal = load_calibration(out)
-    assert cal["c0"] + cal["c1"] * cal["max_batch"] > 0 and cal["max_batch"] == 16
-    assert len(cal["step_cost_spread"]) == 100 and np.mean(cal["step_cost_spread"]) == pytest.approx(1, rel=0.5)
-    overheads = cal["request_overhead_s"]
+    assert cal.c0 + cal.c1 * cal.max_batch > 0 and cal.max_batch == 16
+    assert len(cal.step_cost_spread) == 100 and np.mean(cal.step_cost_spread) == pytest.approx(1, rel=0.5)
+    overheads = cal.request_overhead_s
     assert len(overheads) == 100 and 0 <= min(overheads) <= max(overheads) < 5
-    assert set(cal["blocks_per_request"]) <= set(range(2, 8))  # 1-6 grids + the EOS block
-    assert min(cal["steps_per_block"]) >= 1 and max(cal["steps_per_block"]) <= 17  # fused commit: 1 to L
-    assert f"{replicas} replica(s) (" in cal["source"]
-    assert [p["rate"] for p in cal["load_points"]] == [4 / replicas, 12 / replicas]
-    for point in cal["load_points"]:
-        assert point["c0"] + point["c1"] > 0 and len(point["request_overhead_s"]) == 100
-    assert cal["prefill_s"] > 0  # every request computes a 7-page prompt
-    low, high = at_rate(cal, 4 / replicas), at_rate(cal, 12 / replicas)
-    assert low["c0"] == cal["load_points"][0]["c0"] and high["c1"] == cal["load_points"][1]["c1"]
+    assert set(cal.blocks_per_request) <= set(range(2, 8))  # 1-6 grids + the EOS block
+    assert min(cal.steps_per_block) >= 1 and max(cal.steps_per_block) <= 17  # fused commit: 1 to L
+    assert f"{replicas} replica(s) (" in cal.source
+    assert [p.rate for p in cal.load_points] == [4 / replicas, 12 / replicas]
+    for point in cal.load_points:
+        assert point.c0 + point.c1 > 0 and len(point.request_overhead_s) == 100
+    assert cal.prefill_s > 0  # every request computes a 7-page prompt
+    low, high = cal.at_rate(4 / replicas), cal.at_rate(12 / replicas)
+    assert low.c0 == cal.load_points[0].c0 and high.c1 == cal.load_points[1].c1
 
 
 @pytest.mark.parametrize("tiny_cluster", [1], indirect=True, ids=["1-replica"])  # 2 replicas: as calibrate

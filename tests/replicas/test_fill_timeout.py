@@ -6,19 +6,18 @@ import time
 import numpy as np
 import pytest
 
-from loadgen.capacity.calibration import DEFAULT_CALIBRATION, validate_calibration
+from loadgen.capacity.calibration import DEFAULT_CALIBRATION, Calibration
 from replicas.fill_timeout import (batch_capacity, fdfo_hold, modelled_mean_latency,
                                    optimal_fill_timeout)
 
-TINY = validate_calibration(DEFAULT_CALIBRATION)  # step cost grows with rows, heterogeneous steps
-DISPATCH = {  # step cost is all dispatch, nearly uniform steps: filling can pay
-    "c0": 0.02, "c1": 0.0, "max_batch": 2, "steps_per_block": {4: 0.9, 5: 0.1},
-    "blocks_per_request": {1: 0.8, 2: 0.2}}
+TINY = DEFAULT_CALIBRATION  # step cost grows with rows, heterogeneous steps
+DISPATCH = Calibration(  # step cost is all dispatch, nearly uniform steps: filling can pay
+    c0=0.02, c1=0.0, max_batch=2, steps_per_block={4: 0.9, 5: 0.1}, blocks_per_request={1: 0.8, 2: 0.2})
 LOADS = (0.1, 0.3, 0.5, 0.7, 0.9)  # fractions of the fixed_fill capacity at full batches
 
 
 def _args(cal):
-    return cal["max_batch"], cal["c0"], cal["c1"], cal["steps_per_block"], cal["blocks_per_request"]
+    return cal.max_batch, cal.c0, cal.c1, cal.steps_per_block, cal.blocks_per_request
 
 
 def fixed_fill_capacity(cal) -> float:

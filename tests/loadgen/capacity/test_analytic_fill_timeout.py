@@ -2,19 +2,19 @@
 
 import pytest
 
-from loadgen.capacity.calibration import DEFAULT_CALIBRATION, validate_calibration
+from loadgen.capacity.calibration import DEFAULT_CALIBRATION, Calibration
 from loadgen.capacity.simulator import fixed_fill_capacity, tau_table
 from replicas.fill_timeout import modelled_mean_latency
 
-TINY = validate_calibration(DEFAULT_CALIBRATION)  # step cost grows with rows, heterogeneous steps
-DISPATCH = validate_calibration({  # step cost is all dispatch, nearly uniform steps: filling can pay
+TINY = DEFAULT_CALIBRATION  # step cost grows with rows, heterogeneous steps
+DISPATCH = Calibration.of({  # step cost is all dispatch, nearly uniform steps: filling can pay
     "c0": 0.02, "c1": 0.0, "max_batch": 2, "steps_per_block": {4: 0.9, 5: 0.1},
     "blocks_per_request": {1: 0.8, 2: 0.2}, "source": "test"})
 LOADS = (0.1, 0.5, 0.8)  # fractions of the fixed_fill capacity at full batches: light, half, near saturation
 
 
 def _args(cal):
-    return cal["max_batch"], cal["c0"], cal["c1"], cal["steps_per_block"], cal["blocks_per_request"]
+    return cal.max_batch, cal.c0, cal.c1, cal.steps_per_block, cal.blocks_per_request
 
 
 @pytest.mark.bench

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from cluster.cli import main
-from loadgen.capacity.calibration import (DEFAULT_CALIBRATION, at_rate, fit_calibration, load_calibration,
-                                          save_calibration, validate_calibration)
+from loadgen.capacity.calibration import (DEFAULT_CALIBRATION, LoadCosts, fit_calibration,
+                                          load_calibration, save_calibration)
 from loadgen.capacity.simulator import (CalibratedSteps, Workload, find_max_rate, find_replicas, fixed_fill_capacity,
                                         poisson_workload, run, simulate, slo_attainment, summarize, throughput_bound,
                                         trace_workload)
@@ -17,7 +17,7 @@ from replicas.batching import MODES
 from replicas.cost_model import fit_step_cost
 from replicas.engine import EngineConfig
 
-CAL = validate_calibration(DEFAULT_CALIBRATION)
+CAL = DEFAULT_CALIBRATION
 NO_HOLD = {"fdfo_fill_hold": False}  # these tests were written for fdfo without the fill hold
 
 
@@ -63,7 +63,7 @@ def test_fixed_fill_waits_for_a_full_batch_or_the_timeout():
 
 # ---- sanity ------------------------------------------------------------------------------------
 def test_at_batch_one_every_policy_gives_the_same_latencies():
-    single = {**CAL, "max_batch": 1}
+    single = CAL.replaced(max_batch=1)
     work = poisson_workload(single, 0.8 * fixed_fill_capacity(single), 3000, seed=3)
     latencies = [simulate(single, work, policy).latency for policy in MODES]
     for other in latencies[1:]:
@@ -144,10 +144,10 @@ def test_fit_recovers_step_cost_prefill_and_distributions():
     records = [(r, u, t + e) for (r, u, t), e in zip(_steps(500, 0), np.random.default_rng(9).normal(0, 1e-4, 500))]
     cal = fit_calibration(records, [2, 2, 3, 2], [1, 2, 2, 3], prefix_units_per_request=8, max_batch=16,
                           source="synthetic")
-    assert cal["c0"] == pytest.approx(0.004, abs=1e-4) and cal["c1"] == pytest.approx(0.0005, abs=1e-5)
-    assert cal["prefill_s"] == pytest.approx(8 * 0.0003, rel=0.02)
-    assert cal["steps_per_block"] == {2: 0.75, 3: 0.25}
-    assert cal["blocks_per_request"] == {1: 0.25, 2: 0.5, 3: 0.25}
+    assert cal.c0 == pytest.approx(0.004, abs=1e-4) and cal.c1 == pytest.approx(0.0005, abs=1e-5)
+    assert cal.prefill_s == pytest.approx(8 * 0.0003, rel=0.02)
+    assert cal.steps_per_block == {2: 0.75, 3: 0.25}
+    assert cal.blocks_per_request == {1: 0.25, 2: 0.5, 3: 0.25}
 
 
 def test_fit_measures_how_steps_scatter_around_the_fit():
@@ -156,7 +156,7 @@ def test_fit_measures_how_steps_scatter_around_the_fit():
 
     records = _steps(4000, 1, one_in_ten_slow)
     c0, c1, c2 = fit_step_cost_with_prefill(records)
-    spread = np.asarray(fit_calibration(records, [2], [1], 8, max_batch=16)["step_cost_spread"])
+    spread = np.asarray(fit_calibration(records, [2], [1], 8, max_batch=16).step_cost_spread)
     assert len(spread) == 100 and np.all(np.diff(spread) >= 0)
     assert spread[90:].mean() / spread[:90].mean() == pytest.approx(3.0, rel=0.1)
     assert np.mean(spread * (c0 + c1 * 8 + c2 * 8)) == pytest.approx((0.004 + 0.0005 * 8 + 0.0003 * 8) * 1.2,
@@ -166,25 +166,25 @@ def test_fit_measures_how_steps_scatter_around_the_fit():
 def test_request_overhead_prefill_and_step_spread_enter_the_simulation():
     work = poisson_workload(CAL, 0.5 * throughput_bound(CAL), 2000, seed=5)
     plain = simulate(CAL, work, "fdfo", **NO_HOLD)
-    shifted = simulate({**CAL, "request_overhead_s": 0.25}, work, "fdfo", **NO_HOLD)
+    shifted = simulate(CAL.replaced(request_overhead_s=0.25), work, "fdfo", **NO_HOLD)
     assert np.allclose(shifted.latency, plain.latency + 0.25) and np.allclose(shifted.ttfb, plain.ttfb + 0.25)
-    drawn = simulate({**CAL, "request_overhead_s": [0.0, 1.0]}, work, "fdfo", **NO_HOLD)
+    drawn = simulate(CAL.replaced(request_overhead_s=[0.0, 1.0]), work, "fdfo", **NO_HOLD)
     assert set(np.round(drawn.latency - plain.latency, 9)) == {0.0, 1.0}
-    jittery = simulate({**CAL, "step_cost_spread": [0.6] * 9 + [4.6]}, work, "fdfo", **NO_HOLD)  # mean 1, rare slow steps
+    jittery = simulate(CAL.replaced(step_cost_spread=[0.6] * 9 + [4.6]), work, "fdfo", **NO_HOLD)  # mean 1, rare slow steps
     assert np.percentile(jittery.latency, 99) > 1.2 * np.percentile(plain.latency, 99)
-    assert np.array_equal(jittery.latency, simulate({**CAL, "step_cost_spread": [0.6] * 9 + [4.6]}, work,
+    assert np.array_equal(jittery.latency, simulate(CAL.replaced(step_cost_spread=[0.6] * 9 + [4.6]), work,
                                                     "fdfo", **NO_HOLD).latency)  # seeded
     alone = trace_workload(CAL, np.arange(200) * 10.0, seed=5)  # requests never overlap
-    with_prefill = simulate({**CAL, "prefill_s": 0.05}, alone, "fdfo", **NO_HOLD).latency
+    with_prefill = simulate(CAL.replaced(prefill_s=0.05), alone, "fdfo", **NO_HOLD).latency
     assert np.allclose(with_prefill, simulate(CAL, alone, "fdfo", **NO_HOLD).latency + 0.05)
-    busy = simulate({**CAL, "prefill_s": 0.05}, work, "fdfo", **NO_HOLD).latency
+    busy = simulate(CAL.replaced(prefill_s=0.05), work, "fdfo", **NO_HOLD).latency
     assert np.percentile(busy, 50) > np.percentile(plain.latency, 50) + 0.05  # others wait for the prompts too
 
 
 def test_a_step_cost_path_is_played_in_order_and_keeps_the_spread():
     levels = np.array([0.1, 0.3, 0.6, 0.9] * 50)
-    spread = CalibratedSteps({"c0": 0.0, "c1": 1.0, "step_cost_spread": [3.0, 0.5, 1.5, 1.0],
-                              "step_cost_path": list(levels)}, np.random.default_rng(1))
+    spread = CalibratedSteps(LoadCosts(c0=0.0, c1=1.0, step_cost_spread=[3.0, 0.5, 1.5, 1.0],
+                                        step_cost_path=list(levels)), np.random.default_rng(1))
     ends = np.asarray(spread.step_ends(0.0, 1, 0, 2000))  # steps of one row: 1 s before the multiplier
     drawn = np.diff(np.concatenate([[0.0], ends]))
     assert [np.mean(np.isclose(drawn, v)) for v in (0.5, 1.0, 1.5, 3.0)] == pytest.approx([0.25] * 4)
@@ -194,12 +194,12 @@ def test_a_step_cost_path_is_played_in_order_and_keeps_the_spread():
 
 def test_slow_steps_in_runs_make_the_tail_that_independent_draws_miss():
     work = poisson_workload(CAL, 0.6 * throughput_bound(CAL), 3000, seed=8)
-    scattered = {**CAL, "step_cost_spread": [0.5, 1.0, 1.5]}
+    scattered = CAL.replaced(step_cost_spread=[0.5, 1.0, 1.5])
     independent = simulate(scattered, work, "fdfo", **NO_HOLD).latency
     runs = ([0.2] * 300 + [0.5] * 300 + [0.9] * 300) * 4  # the same levels, in runs of 300 steps
-    in_runs = simulate({**scattered, "step_cost_path": runs}, work, "fdfo", **NO_HOLD).latency
+    in_runs = simulate(scattered.replaced(step_cost_path=runs), work, "fdfo", **NO_HOLD).latency
     assert np.percentile(in_runs, 99) > 1.2 * np.percentile(independent, 99)
-    assert np.array_equal(in_runs, simulate({**scattered, "step_cost_path": runs}, work, "fdfo", **NO_HOLD).latency)  # seeded
+    assert np.array_equal(in_runs, simulate(scattered.replaced(step_cost_path=runs), work, "fdfo", **NO_HOLD).latency)  # seeded
 
 
 def test_step_calibration_keeps_the_multipliers_in_time_order():
@@ -207,11 +207,11 @@ def test_step_calibration_keeps_the_multipliers_in_time_order():
     rows = rng.integers(1, 9, 3000)
     slow = np.repeat(rng.random(30) < 0.3, 100) * 1.0  # runs of 100 slow steps
     seconds = (0.004 + 0.001 * rows) * (1 + slow) * rng.uniform(0.9, 1.1, 3000)
-    cal = step_calibration(list(zip(rows, np.zeros(3000), seconds)), 0.0, path_length=2000)
-    path = np.asarray(cal["step_cost_path"])
+    costs = step_calibration(list(zip(rows, np.zeros(3000), seconds)), 0.0, path_length=2000)
+    path = np.asarray(costs["step_cost_path"])
     assert len(path) == 2000 and 0 < path.min() and path.max() < 1
     assert sorted(path) == pytest.approx((np.arange(2000) + 0.5) / 2000, abs=1e-4)  # ranks, each once
-    multipliers = seconds[-2000:] / (cal["c0"] + cal["c1"] * rows[-2000:])
+    multipliers = seconds[-2000:] / (costs["c0"] + costs["c1"] * rows[-2000:])
     assert np.array_equal(np.argsort(path), np.argsort(multipliers))  # the last steps' ranks, in time order
     assert np.corrcoef(path[:-10], path[10:])[0, 1] > 0.5  # the runs survive
 
@@ -220,19 +220,18 @@ def test_load_points_are_interpolated_in_the_rate_per_replica():
     light = {"rate": 2.0, "c0": 0.004, "c1": 0.001, "prefill_s": 0.002, "step_cost_spread": [0.8, 1.2],
              "request_overhead_s": [0.02, 0.04]}
     heavy = {"rate": 6.0, "c0": 0.008, "c1": 0.002, "step_cost_spread": [0.5, 1.5], "request_overhead_s": 0.1}
-    cal = validate_calibration({**CAL, "load_points": [heavy, light]})
-    assert cal["c0"] == 0.004 and [p["rate"] for p in cal["load_points"]] == [2.0, 6.0]  # lowest rate on top
-    middle = at_rate(cal, 4.0)
-    assert middle["c0"] == pytest.approx(0.006) and middle["c1"] == pytest.approx(0.0015)
-    assert middle["prefill_s"] == pytest.approx(0.001)  # absent: 0
-    assert middle["step_cost_spread"] == pytest.approx([0.65, 1.35])
-    assert middle["request_overhead_s"] == pytest.approx([0.06, 0.07])
-    assert at_rate(cal, 0.5)["c0"] == 0.004 and at_rate(cal, 50)["c0"] == 0.008  # clamped
-    paths = validate_calibration({**CAL, "load_points": [{**light, "step_cost_path": [0.1, 0.6]},
-                                                         {**heavy, "step_cost_path": [0.9]}]})
-    assert at_rate(paths, 3.9)["step_cost_path"] == [0.1, 0.6] and at_rate(paths, 4.1)["step_cost_path"] == [0.9]
+    cal = CAL.replaced(load_points=[heavy, light])
+    assert cal.c0 == 0.004 and [p.rate for p in cal.load_points] == [2.0, 6.0]  # lowest rate on top
+    middle = cal.at_rate(4.0)
+    assert middle.c0 == pytest.approx(0.006) and middle.c1 == pytest.approx(0.0015)
+    assert middle.prefill_s == pytest.approx(0.001)  # absent: 0
+    assert middle.step_cost_spread == pytest.approx([0.65, 1.35])
+    assert middle.request_overhead_s == pytest.approx([0.06, 0.07])
+    assert cal.at_rate(0.5).c0 == 0.004 and cal.at_rate(50).c0 == 0.008  # clamped
+    paths = CAL.replaced(load_points=[{**light, "step_cost_path": [0.1, 0.6]}, {**heavy, "step_cost_path": [0.9]}])
+    assert paths.at_rate(3.9).step_cost_path == [0.1, 0.6] and paths.at_rate(4.1).step_cost_path == [0.9]
     work = poisson_workload(CAL, 8.0, 500, seed=2)
-    flat = {k: v for k, v in at_rate(cal, work.rate / 2).items() if k != "load_points"}
+    flat = cal.at_rate(work.rate / 2).replaced(load_points=None)
     assert np.array_equal(simulate(cal, work, "fdfo", replicas=2).latency, simulate(flat, work, "fdfo", replicas=2).latency)
 
 
@@ -240,7 +239,7 @@ def test_load_points_are_interpolated_in_the_rate_per_replica():
                                     [{"rate": 1, "c0": 1, "c1": 0}, {"rate": 1, "c0": 2, "c1": 0}], "x"])
 def test_bad_load_points_raise(points):
     with pytest.raises(ValueError, match="load point|load_points"):
-        validate_calibration({**CAL, "load_points": points})
+        CAL.replaced(load_points=points)
 
 
 def test_fits_clip_negative_coefficients():
@@ -273,7 +272,7 @@ def test_calibration_round_trip(tmp_path):
     assert set(on_disk) == {"c0", "c1", "max_batch", "steps_per_block", "blocks_per_request", "source",
                             "step_cost_spread", "step_cost_path", "request_overhead_s", "prefill_s"}
     loaded = load_calibration(path)
-    assert loaded["c0"] == CAL["c0"] and loaded["steps_per_block"].keys() == CAL["steps_per_block"].keys()
+    assert loaded.c0 == CAL.c0 and loaded.steps_per_block.keys() == CAL.steps_per_block.keys()
 
 
 @pytest.mark.parametrize("text", [
