@@ -1,8 +1,9 @@
-"""The batching rules of every scheduler mode, as pure functions (no torch).
+"""The batching rules of every scheduler mode, as stateless policy objects (no torch).
 
 The engine's scheduler (``replicas.scheduler``) and the capacity simulator
-(``loadgen.capacity.simulator``) both decide with these functions, so the simulator
-makes the engine's batching decisions by construction.
+(``loadgen.capacity.simulator``) both decide with ``batching_policy(mode)``, so the
+simulator makes the engine's batching decisions by construction. ``BatchingPolicy`` is
+the production rule (fdfo); the other modes are research baselines that override it.
 
 * ``fdfo`` (default): the scheduler regains control after every step. Rows whose block
   is done commit and leave (finished) or move on to their next block at once, and
@@ -52,37 +53,77 @@ class RowAction(enum.Enum):
     RELEASE = "release"  # leave the batch and free its row and pages
 
 
-_WAITING_FOR_ROUND = (Phase.BLOCK_DONE, Phase.FINISHED)
+class BatchingPolicy:
+    """``fdfo``, the production rule: a round ends after every step; rows whose block is
+    done move on or leave at once and waiting requests take the freed rows. An under-filled
+    step with an empty queue may hold for arrivals (``fill_timeout.fdfo_hold``).
+
+    The research baselines override these methods (``SyncBaseline`` and its subclasses);
+    the scheduler and the simulators only ever call them."""
+
+    mode = SchedulerMode.FDFO
+
+    def end_of_round(self, phases: Sequence[Phase]) -> list[RowAction] | None:
+        """What each running row (given by its phase) does now, or None while the round goes on."""
+        return [RowAction.ADVANCE if p is Phase.BLOCK_DONE else RowAction.RELEASE if p is Phase.FINISHED
+                else RowAction.KEEP for p in phases]
+
+    def admits(self, running: int, round_over: bool) -> bool:
+        """Whether waiting requests may join the batch now (rows and pages permitting)."""
+        return True
+
+    def waits_to_fill(self, running: int, waiting: int, max_batch: int) -> bool:
+        """Whether a new batch waits to be filled (until the oldest waiting request has
+        waited the fill timeout)."""
+        return False
+
+    def may_hold_for_arrivals(self, waiting: int, rows: int, max_batch: int) -> bool:
+        """Whether a step may wait (for ``fill_timeout.fdfo_hold`` seconds at most) so that
+        arrivals join it: free rows and an empty queue."""
+        return waiting == 0 and 0 < rows < max_batch
 
 
-def batch_synchronous(mode: SchedulerMode) -> bool:
-    """Whether new requests join only once the whole batch has finished."""
-    return mode in (SchedulerMode.STATIC, SchedulerMode.FIXED_FILL)
+class SyncBaseline(BatchingPolicy):
+    """``sync``: a round lasts until every row's block is done; new requests join between rounds."""
+
+    mode = SchedulerMode.SYNC
+    keeps_finished = False  # finished rows stay until the whole batch has finished
+
+    def end_of_round(self, phases: Sequence[Phase]) -> list[RowAction] | None:
+        if any(p not in (Phase.BLOCK_DONE, Phase.FINISHED) for p in phases):
+            return None
+        keep_finished = self.keeps_finished and not all(p is Phase.FINISHED for p in phases)
+        return [RowAction.ADVANCE if p is Phase.BLOCK_DONE
+                else RowAction.KEEP if keep_finished else RowAction.RELEASE for p in phases]
+
+    def admits(self, running: int, round_over: bool) -> bool:
+        return running == 0 or round_over
+
+    def may_hold_for_arrivals(self, waiting: int, rows: int, max_batch: int) -> bool:
+        return False
 
 
-def end_of_round(mode: SchedulerMode, phases: Sequence[Phase]) -> list[RowAction] | None:
-    """What each running row (given by its phase) does now, or None while the round goes
-    on: fdfo ends a round after every step; the others when no row is still working."""
-    if mode is not SchedulerMode.FDFO and any(p not in _WAITING_FOR_ROUND for p in phases):
-        return None
-    keep_finished = batch_synchronous(mode) and not all(p is Phase.FINISHED for p in phases)
-    return [RowAction.ADVANCE if p is Phase.BLOCK_DONE
-            else RowAction.RELEASE if p is Phase.FINISHED and not keep_finished
-            else RowAction.KEEP for p in phases]
+class StaticBaseline(SyncBaseline):
+    """``static``: rounds as ``sync``, and new requests join only an empty batch."""
+
+    mode = SchedulerMode.STATIC
+    keeps_finished = True
+
+    def admits(self, running: int, round_over: bool) -> bool:
+        return running == 0
 
 
-def admission_open(mode: SchedulerMode, running: int, round_over: bool) -> bool:
-    """Whether waiting requests may join the batch now (rows and pages permitting)."""
-    return mode is SchedulerMode.FDFO or running == 0 or (mode is SchedulerMode.SYNC and round_over)
+class FixedFillBaseline(StaticBaseline):
+    """``fixed_fill``: as ``static``, and a new batch starts full or after the fill timeout."""
+
+    mode = SchedulerMode.FIXED_FILL
+
+    def waits_to_fill(self, running: int, waiting: int, max_batch: int) -> bool:
+        return running == 0 and 0 < waiting < max_batch
 
 
-def waits_to_fill(mode: SchedulerMode, running: int, waiting: int, max_batch: int) -> bool:
-    """fixed_fill: a new batch that cannot be filled yet waits, until the oldest waiting
-    request has waited the fill timeout."""
-    return mode is SchedulerMode.FIXED_FILL and running == 0 and 0 < waiting < max_batch
+_POLICIES = {policy.mode: policy() for policy in (BatchingPolicy, SyncBaseline, StaticBaseline, FixedFillBaseline)}
 
 
-def may_hold_for_arrivals(mode: SchedulerMode, waiting: int, rows: int, max_batch: int) -> bool:
-    """fdfo with free rows and an empty queue may hold a step (for ``fill_timeout.fdfo_hold``
-    seconds at most) so that arrivals join it."""
-    return mode is SchedulerMode.FDFO and waiting == 0 and 0 < rows < max_batch
+def batching_policy(mode: SchedulerMode | str) -> BatchingPolicy:
+    return _POLICIES[SchedulerMode(mode)]

@@ -1,8 +1,7 @@
 """Which rows run each step, and the one owner of request state.
 
-The modes (fdfo, sync, static, fixed_fill) and their batching rules are the pure
-functions of ``replicas.batching``; the scheduler applies them to live requests, rows and
-pages. Request state changes only here: ``schedule()`` ends rounds, admits requests and
+The batching rule is a policy object (``replicas.batching``: fdfo, or a research
+baseline); the scheduler applies it to live requests, rows and pages. Request state changes only here: ``schedule()`` ends rounds, admits requests and
 builds the step's batch; ``update_from_step()`` books the step's outcome (steps taken,
 blocks done and their commits applied to the outputs, requests finished); ``finish()``
 ends a request early (abort, deadline, failure) and frees what it holds.
@@ -29,8 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from replicas.scheduled_batch import ScheduledBatch
-from replicas.batching import (Phase, RowAction, SchedulerMode, admission_open, end_of_round,
-                               may_hold_for_arrivals, waits_to_fill)
+from replicas.batching import Phase, RowAction, SchedulerMode, batching_policy
 from replicas.kv_cache import PagePool
 from replicas.output import BlockCommit
 from replicas.request import FinishReason, Request
@@ -43,7 +41,7 @@ class Scheduler:
                  fill_timeout: Callable[[], float] = lambda: 0.0,
                  fdfo_hold: Callable[[int], float] = lambda rows: 0.0,
                  clock: Callable[[], float] = time.monotonic, full_canvas: bool = False):
-        self.mode = SchedulerMode(mode)
+        self.policy = batching_policy(mode)
         self.full_canvas = full_canvas
         self.fill_timeout = fill_timeout  # seconds; read when a fixed_fill batch could start
         self.fdfo_hold = fdfo_hold  # seconds an under-filled fdfo step may wait, given its rows
@@ -89,7 +87,7 @@ class Scheduler:
         self.scheduled, self.stepped = [], []
         try:
             round_over = self._end_round()
-            if self.waiting and admission_open(self.mode, len(self.running), round_over):
+            if self.waiting and self.policy.admits(len(self.running), round_over):
                 self._admit()
             if not self.running or self._fdfo_holds():
                 return None
@@ -131,7 +129,7 @@ class Scheduler:
     # ---- rounds and admission ----------------------------------------------------------
     def _end_round(self) -> bool:
         """Advance and release rows as the mode's end of round says; whether the round ended."""
-        actions = end_of_round(self.mode, [r.phase for r in self.running])
+        actions = self.policy.end_of_round([r.phase for r in self.running])
         if actions is None:
             return False
         for request, action in zip(list(self.running), actions):
@@ -144,7 +142,7 @@ class Scheduler:
 
     def _fdfo_holds(self) -> bool:
         """Whether this step waits (once per step, bounded by ``fdfo_hold``) for arrivals."""
-        if not may_hold_for_arrivals(self.mode, len(self.waiting), len(self.running), self.max_batch):
+        if not self.policy.may_hold_for_arrivals(len(self.waiting), len(self.running), self.max_batch):
             return False
         now = self.clock()
         if self._held_since is None:
@@ -157,7 +155,7 @@ class Scheduler:
 
     def _fill_wait_over(self) -> bool:
         """Whether a batch may start now: fixed_fill waits to fill it, for the fill timeout at most."""
-        if not waits_to_fill(self.mode, len(self.running), len(self.waiting), self.max_batch):
+        if not self.policy.waits_to_fill(len(self.running), len(self.waiting), self.max_batch):
             return True
         deadline = self.waiting[0].arrival_time + self.fill_timeout()
         if self.clock() >= deadline:

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from replicas.batching import Phase, RowAction, SchedulerMode, admission_open, end_of_round
+from replicas.batching import Phase, RowAction, SchedulerMode, batching_policy
 
 
 @dataclass(frozen=True)
@@ -42,21 +42,21 @@ class _Row:
 def closed_batch_seconds(mode: SchedulerMode | str, max_batch: int, requests: Sequence[ClosedRequest],
                          block_length: int, c0: float, c1: float) -> float:
     """Seconds until the last of ``requests`` is done (all fused commits)."""
-    mode = SchedulerMode(mode)
+    policy = batching_policy(mode)
     if any(not r.block_steps or min(r.block_steps) < 1 for r in requests):
         raise ValueError("every request has a block, and every block takes at least one step")
     waiting = deque(requests)
     running: list[_Row] = []
     seconds = 0.0
     while waiting or running:
-        actions = end_of_round(mode, [row.phase for row in running])
+        actions = policy.end_of_round([row.phase for row in running])
         for row, action in zip(list(running), actions or []):
             if action is RowAction.ADVANCE:
                 row.block += 1
                 row.left, row.phase = row.request.block_steps[row.block], Phase.DENOISE
             elif action is RowAction.RELEASE:
                 running.remove(row)
-        if waiting and admission_open(mode, len(running), actions is not None):
+        if waiting and policy.admits(len(running), actions is not None):
             while waiting and len(running) < max_batch:
                 running.append(_Row(waiting.popleft()))
         if not running:

@@ -38,8 +38,7 @@ from typing import Protocol
 import numpy as np
 
 from loadgen.capacity.calibration import Calibration, LoadCosts
-from replicas.batching import (MODES, Phase, RowAction, SchedulerMode, admission_open, end_of_round,
-                               may_hold_for_arrivals, waits_to_fill)
+from replicas.batching import MODES, Phase, RowAction, SchedulerMode, batching_policy
 from replicas.fill_timeout import batch_capacity, fdfo_hold, optimal_fill_timeout
 from replicas.limits import request_cost, steps_quantile
 
@@ -181,7 +180,7 @@ class _Replica:
     def __init__(self, ledger: _Ledger, mode: SchedulerMode, max_batch: int, fill_timeout: float,
                  hold: Callable[[int], float], steps: StepCosts):
         self.ledger = ledger
-        self.mode = mode
+        self.policy = batching_policy(mode)
         self.max_batch = max_batch
         self.fill_timeout = fill_timeout
         self.hold = hold  # seconds an under-filled fdfo step may wait for arrivals, given its rows
@@ -200,11 +199,11 @@ class _Replica:
 
     def decide(self, now: float, next_arrival: float) -> float:
         """Act at ``now`` (the replica is not in a step); returns when to act next."""
-        actions = end_of_round(self.mode, [row[3] for row in self.rows])
+        actions = self.policy.end_of_round([row[3] for row in self.rows])
         if actions is not None:
             self._end_round(actions)
-        if self.queue and admission_open(self.mode, len(self.rows), actions is not None):
-            if waits_to_fill(self.mode, len(self.rows), len(self.queue), self.max_batch):
+        if self.queue and self.policy.admits(len(self.rows), actions is not None):
+            if self.policy.waits_to_fill(len(self.rows), len(self.queue), self.max_batch):
                 deadline = self.ledger.arrival[self.queue[0]] + self.fill_timeout
                 if now < deadline:
                     return deadline
@@ -214,7 +213,7 @@ class _Replica:
         if not self.rows:
             return math.inf
         hold = 0.0
-        if may_hold_for_arrivals(self.mode, len(self.queue), len(self.rows), self.max_batch):
+        if self.policy.may_hold_for_arrivals(len(self.queue), len(self.rows), self.max_batch):
             hold = self.hold(len(self.rows))
             if self.hold_from is None:
                 self.hold_from = now
@@ -242,7 +241,7 @@ class _Replica:
         ledger, rows = self.ledger, self.rows
         active = [r for r in rows if r[3] is Phase.DENOISE]
         until = math.inf
-        if self.mode is not SchedulerMode.FDFO:
+        if self.policy.mode is not SchedulerMode.FDFO:
             count = max(r[2] for r in active)
         elif one_step:
             count = 1
