@@ -1,8 +1,8 @@
 """Which rows run each step, and the one owner of request state.
 
 The batching rule is a policy object (``replicas.batching``: fdfo, or a research
-baseline); the scheduler applies it to live requests, rows and pages. Request state changes only here: ``schedule()`` ends rounds, admits requests and
-builds the step's batch; ``update_from_step()`` books the step's outcome (steps taken,
+baseline); the scheduler applies it to live requests, rows and pages. Request state
+changes only here: ``schedule()`` ends rounds, admits requests and builds the step's batch; ``update_from_step()`` books the step's outcome (steps taken,
 blocks done and their commits applied to the outputs, requests finished); ``finish()``
 ends a request early (abort, deadline, failure) and frees what it holds.
 
