@@ -2,9 +2,10 @@
 
 The batching rule is a policy object (``replicas.batching``: fdfo, or a research
 baseline); the scheduler applies it to live requests, rows and pages. Request state
-changes only here: ``schedule()`` ends rounds, admits requests and builds the step's batch; ``update_from_step()`` books the step's outcome (steps taken,
-blocks done and their commits applied to the outputs, requests finished); ``finish()``
-ends a request early (abort, deadline, failure) and frees what it holds.
+changes only here: ``schedule()`` ends rounds, admits requests and builds the step's
+batch; ``update_from_step()`` books the step's outcome (steps taken, blocks done and
+their commits applied to the outputs, requests finished); ``finish()`` ends a request
+early (abort, deadline, failure) and frees what it holds.
 
 Pages: admission reserves a request's worst case (prompt pages + max blocks); pages are
 taken from the reservation one block at a time and all returned on release. With the
