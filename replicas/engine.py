@@ -30,6 +30,7 @@ from replicas.models import load_model, load_tokenizer
 from replicas.messages import (INFILL_NEEDS, GenerateChunk, RequestError, SamplingParams, joined, request_problem,
                                resume_problem)
 from replicas.output import BlockCommit, OutputProcessor
+from replicas.prefix_cache import PrefixCache
 from replicas.scheduled_batch import ScheduledBatch
 from replicas.batching import SchedulerMode
 from replicas.request import FinishReason, Request
@@ -80,7 +81,7 @@ class Engine:
         device = torch.device(config.device)
         dtype = torch_dtype(config)
         self.model = model.to(device=device, dtype=dtype).eval()
-        self.pool = PagePool(shape.num_pages)
+        self.pool = PagePool(shape.num_pages, PrefixCache() if shape.prefix_cache else None)
         self.rows = RowTable(config.max_batch, shape.max_pages_per_request, size, pad_id=spec.eos_token_id)
         kv_cache = KVCache(spec.num_layers, shape.num_pages, size, spec.num_kv_heads, spec.head_dim, dtype, device)
         self.runner = ModelRunner(self.model, self.rows, kv_cache, device, config.kv_cache,
@@ -246,7 +247,8 @@ class Engine:
         """Advance the stepped blocks with their algorithms, commit the done ones, hand the
         outcome to the scheduler and stream it; return the committed blocks' step counts."""
         requests = self.scheduler.stepped
-        if not requests:
+        if not requests:  # prompt chunks only
+            self.scheduler.update_from_step([])
             return []
         if not bool(batch.advances.all()):
             logits = logits[batch.advances]

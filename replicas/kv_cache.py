@@ -4,11 +4,15 @@ A request owns pages for its prompt and committed blocks plus ONE page for its a
 block, reused in place for every step of that block. Admission reserves a request's
 worst case up front (``reserve``), pages are then taken from that reservation one block
 at a time, so a running request never waits for memory and nothing is ever preempted.
+With a prefix cache (``replicas.prefix_cache``), the cached pages no request holds count
+as available: ``take`` evicts one when no page is free.
 """
 
 from __future__ import annotations
 
 import torch
+
+from replicas.prefix_cache import PrefixCache
 
 
 class PagePool:
@@ -16,10 +20,11 @@ class PagePool:
 
     SCRATCH_PAGE = 0
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, cache: PrefixCache | None = None):
         if num_pages < 2:
             raise ValueError("the page pool needs at least 2 pages (one is scratch)")
         self.num_pages = num_pages
+        self.cache = cache
         self._free = list(range(num_pages - 1, 0, -1))
         self._reserved = 0
 
@@ -34,8 +39,9 @@ class PagePool:
 
     @property
     def num_available(self) -> int:
-        """Free pages not promised to an admitted request."""
-        return len(self._free) - self._reserved
+        """Free (or evictable cached) pages not promised to an admitted request."""
+        evictable = self.cache.num_unreferenced if self.cache is not None else 0
+        return len(self._free) + evictable - self._reserved
 
     def reserve(self, count: int) -> bool:
         if count > self.num_available:
@@ -48,9 +54,11 @@ class PagePool:
         if self._reserved <= 0:
             raise RuntimeError("take() without a reservation")
         self._reserved -= 1
-        return self._free.pop()
+        return self._free.pop() if self._free else self.cache.evict()
 
     def release(self, pages: list[int], unused_reservation: int) -> None:
+        """Return a request's own pages (not the cached ones it holds) and what it did not
+        take of its reservation."""
         self._free.extend(pages)
         self._reserved -= unused_reservation
 

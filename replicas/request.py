@@ -14,6 +14,7 @@ from replicas.detokenizer import Detokenizer
 from replicas.logprobs import TokenLogprob
 from replicas.limits import aligned_head, blocks_needed
 from replicas.messages import GenerateChunk, SamplingParams
+from replicas.prefix_cache import CachedPage
 
 
 class FinishReason(str, enum.Enum):
@@ -48,6 +49,9 @@ class Request:
     pages: list[int] = field(default_factory=list)
     reserved_pages: int = 0
     prefilled_pages: int = 0  # pages of the prefix (prompt, resumed blocks) whose KV is in the cache
+    # the prefix cache's nodes of its first pages (``replicas.prefix_cache``): found there
+    # at admission, or computed here and cached since
+    prefix_nodes: list[CachedPage] = field(default_factory=list)
     block_index: int = 0  # index of the active answer block
     steps_in_block: int = 0  # forwards of the active block so far
     committed_block_steps: list[int] = field(default_factory=list)
@@ -118,6 +122,17 @@ class Request:
         if not self.aligned and page_index == self.prompt_pages - 1:
             return len(self.prompt_ids) - page_index * self.block_length
         return self.block_length
+
+    def prefix_page_tokens(self, page_index: int) -> tuple[int, ...]:
+        """The tokens on a prefix page (the prefix cache's key of the page)."""
+        size = self.block_length
+        if self.aligned:  # prompt and resumed ids run on without a gap
+            ids, start = self.prompt_ids + list(self.params.resume_ids), page_index * size
+        elif page_index < self.prompt_pages:
+            ids, start = self.prompt_ids, page_index * size
+        else:
+            ids, start = self.params.resume_ids, (page_index - self.prompt_pages) * size
+        return tuple(ids[start:start + self.page_tokens(page_index)])
 
     @cached_property
     def suffix_pages(self) -> int:

@@ -8,7 +8,10 @@ their commits applied to the outputs, requests finished); ``finish()`` ends a re
 early (abort, deadline, failure) and frees what it holds.
 
 Pages: admission reserves a request's worst case (prompt pages + max blocks); pages are
-taken from the reservation one block at a time and all returned on release. With the
+taken from the reservation one block at a time and all returned on release. With a
+prefix cache (``PagePool.cache``) a request starts with the cached pages of its prefix
+(held, never taken from its reservation) and prefills from the first page not cached;
+the prefix pages it computes are cached once a step has written them. With the
 full canvas (``full_canvas``) every block's page is taken and masked at admission, since
 every position attends to all of them from the first step. A
 continuation (``SamplingParams.resume_ids``) takes its resumed blocks' pages at admission
@@ -59,6 +62,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.scheduled: list[Request] = []  # the requests of the last batch's rows
         self.stepped: list[Request] = []  # those whose block it steps, in block-unit order
+        self._prefilled: list[tuple[Request, int, int]] = []  # (request, first, end page index) prefilled by it
+        self.cache = pool.cache
         self._block_starts: list[tuple[int, int, int, int]] = []  # (row, page index, page, kept tokens)
 
     # ---- queue ------------------------------------------------------------------
@@ -85,7 +90,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch, or None (nothing runnable, or waiting until ``hold_until``)."""
         self.hold_until = None
-        self.scheduled, self.stepped = [], []
+        self.scheduled, self.stepped, self._prefilled = [], [], []
         try:
             round_over = self._end_round()
             if self.waiting and self.policy.admits(len(self.running), round_over):
@@ -103,6 +108,8 @@ class Scheduler:
         ``kv_stale[i]``: that forward fed the block with masks, so its final KV is still to
         be written (a fused commit, see ``_build_batch``). A request that ended since it
         was scheduled (its algorithm failed) is skipped."""
+        if self.cache is not None:
+            self._cache_prefilled()
         kv_stale = kv_stale or [False] * len(commits)
         for request, commit, stale in zip(self.stepped, commits, kv_stale, strict=True):
             if request.phase is not Phase.DENOISE:
@@ -115,6 +122,22 @@ class Scheduler:
             request.phase = Phase.BLOCK_DONE if request.finish_reason is None else Phase.FINISHED
             if stale and request.phase is Phase.BLOCK_DONE:
                 request.unwritten_page = request.active_page_index
+
+    def _cache_prefilled(self) -> None:
+        """Cache the prefix pages the last batch wrote, each under its request's page
+        before it; a request's chain stops at a page cached already (by another request
+        meanwhile: its copy stays its own)."""
+        for request, first, end in self._prefilled:
+            if request.row < 0:  # ended in the step (its algorithm failed): its pages are gone
+                continue
+            for index in range(first, end):
+                if len(request.prefix_nodes) != index:
+                    break
+                parent = request.prefix_nodes[-1] if request.prefix_nodes else None
+                node = self.cache.insert(parent, request.prefix_page_tokens(index), request.pages[index])
+                if node is None:
+                    break
+                request.prefix_nodes.append(node)
 
     def _apply(self, request: Request, commit: BlockCommit) -> None:
         """A done block into the request's output and record."""
@@ -169,12 +192,22 @@ class Scheduler:
             return
         while self.waiting and len(self.running) < self.max_batch and self.rows.num_free:
             request = self.waiting[0]
-            if not self.pool.reserve(request.prefix_pages + request.blocks_to_denoise + request.suffix_pages):
+            cached = self._cached_prefix(request)
+            need = request.prefix_pages - len(cached) + request.blocks_to_denoise + request.suffix_pages
+            pinned = sum(node.refs == 0 for node in cached)  # evictable until this request holds them
+            if need + pinned > self.pool.num_available:
                 break  # FIFO: the head waits for pages, nobody overtakes it
             self.waiting.popleft()
+            if self.cache is not None:
+                self.cache.acquire(cached)
+                self.cache.count_lookup(request.prefix_pages, cached)
+            self.pool.reserve(need)
             request.block_index = request.first_block_index
             request.reserved_pages = request.blocks_to_denoise
-            request.pages = [self.pool.take() for _ in range(request.prefix_pages)]
+            request.prefix_nodes = cached
+            request.prefilled_pages = len(cached)
+            request.pages = [node.page for node in cached] + [self.pool.take()
+                                                              for _ in range(request.prefix_pages - len(cached))]
             request.row = self.rows.acquire(request.prompt_ids, request.pages, request.params.resume_ids,
                                             request.aligned)
             if self.full_canvas:  # every block's page, and a suffix's after them
@@ -184,6 +217,12 @@ class Scheduler:
                 request.reserved_pages = 0
             request.phase = Phase.PREFILL
             self.running.append(request)
+
+    def _cached_prefix(self, request: Request) -> list:
+        """The cached nodes of the request's first prefix pages (none without a cache)."""
+        if self.cache is None:
+            return []
+        return self.cache.match([request.prefix_page_tokens(i) for i in range(request.prefix_pages)])
 
     def _start_block(self, request: Request) -> None:
         if self.full_canvas:
@@ -205,9 +244,11 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.running.remove(request)
-        self.pool.release(request.pages, request.reserved_pages)
+        self.pool.release(request.pages[len(request.prefix_nodes):], request.reserved_pages)
+        if request.prefix_nodes:
+            self.cache.release(request.prefix_nodes)
         self.rows.release(request.row)
-        request.pages, request.reserved_pages, request.row = [], 0, -1
+        request.pages, request.reserved_pages, request.row, request.prefix_nodes = [], 0, -1, []
 
     # ---- the batch -------------------------------------------------------------------
     def _build_batch(self) -> ScheduledBatch:
@@ -241,6 +282,7 @@ class Scheduler:
                     budget -= count
                     add_unit(request, page_index, count, False)
                 request.prefilled_pages = last
+                self._prefilled.append((request, first, last))
                 if last == request.prefix_pages and budget >= size:
                     budget -= size
                     self._start_block(request)  # prefill fused with the first block

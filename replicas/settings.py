@@ -55,6 +55,11 @@ class EngineConfig(BaseModel):
                     "attention (block_causal|bidirectional), default_algorithm, default_algorithm_params")
     fill_timeout_s: float | None = Field(
         None, ge=0, description="fixed_fill mode: batch fill timeout in seconds (default: tuned online)")
+    prefix_cache: bool = Field(
+        True, description="reuse the KV pages of prompt prefixes that earlier requests computed (exact; used "
+                          "where a page's KV depends only on the pages before it: a block-causal model with "
+                          "kv_cache prefix, e.g. SDAR, LLaDA2.0 and the tiny model; LLaDA and Dream recompute "
+                          "the prompt with every block and do not use it)")
     fused_commit: bool = Field(
         True, description="commit a block at the step that fills its last mask and write its final KV in the "
                           "row's next forward, instead of one more forward of the block (rules that edit wait)")
@@ -80,6 +85,7 @@ class ServingShape:
     canvas: str  # in force: configured, else the model's (a block-causal model's is 'block')
     aligned: bool  # answer blocks aligned to the sequence's start (block_alignment 'prompt')
     max_cost: int  # the most row-steps a request is charged (``limits.max_request_cost``)
+    prefix_cache: bool  # in force: configured, and the model's prefix KV is exact to reuse
 
     @classmethod
     def of(cls, config: EngineConfig, spec: ModelSpec) -> ServingShape:
@@ -103,8 +109,11 @@ class ServingShape:
         if aligned and canvas == "full":
             raise ValueError("block_alignment 'prompt' is the block-causal models' reference; "
                              "with canvas 'full' use block_alignment 'page'")
+        # a page's KV depends on the pages before it alone: no row is ever refreshed (replicas.runner)
+        prefix_cache = (config.prefix_cache and config.kv_cache == "prefix" and not spec.bidirectional
+                        and not spec.shift_logits)
         return cls(size, max_model_len, pages, config.num_pages or config.max_batch * pages + 1, budget, canvas,
-                   aligned, max_request_cost(max_model_len, size))
+                   aligned, max_request_cost(max_model_len, size), prefix_cache)
 
 
 def resolve_algorithm(config: EngineConfig, spec: ModelSpec, name: str | None = None,

@@ -19,7 +19,7 @@ PARAMS = SamplingParams(max_tokens=64, ignore_eos=True)
 
 
 def pool_is_free(engine) -> bool:
-    return (engine.pool.num_free == engine.pool.capacity and engine.rows.num_free == engine.config.max_batch
+    return (engine.pool.num_available == engine.pool.capacity and engine.rows.num_free == engine.config.max_batch
             and not engine.scheduler.running and not engine.scheduler.waiting)
 
 

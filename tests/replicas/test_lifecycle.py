@@ -14,7 +14,6 @@ from replicas.messages import RequestError, SamplingParams
 
 
 def assert_pool_full(engine):
-    assert engine.pool.num_free == engine.pool.capacity
     assert engine.pool.num_available == engine.pool.capacity
     assert engine.rows.num_free == engine.config.max_batch
     assert not engine.scheduler.running and not engine.scheduler.waiting

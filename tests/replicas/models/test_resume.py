@@ -49,7 +49,7 @@ def test_resumed_request_equals_the_uninterrupted_one(engine_for, arch, sampling
         assert resumed.completion_tokens == len(whole.token_ids)
         prefix = engine.tokenizer.decode(whole.token_ids[:done], skip_special_tokens=True)
         assert prefix + resumed.text == whole.text
-    assert engine.pool.num_free == engine.pool.capacity
+    assert engine.pool.num_available == engine.pool.capacity
 
 
 def test_resumed_request_shares_a_batch_with_fresh_ones(make_engine):

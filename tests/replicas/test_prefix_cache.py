@@ -1,0 +1,152 @@
+"""The prefix cache: exact reuse of prompt pages across requests, reference counts that
+never let a held page go, LRU eviction of the rest, and no page lost on any path."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from replicas.batching import SchedulerMode
+from replicas.kv_cache import PagePool
+from replicas.messages import SamplingParams
+from replicas.prefix_cache import PrefixCache
+
+BLOCK = 16  # the random tiny model's block length
+
+
+# ---- the cache and the pool ---------------------------------------------------------------
+def test_match_is_exact_and_eviction_takes_the_least_recent_unreferenced_leaf():
+    cache = PrefixCache()
+    a = cache.insert(None, (1, 2), page=5)  # one request computed a and b
+    b = cache.insert(a, (3, 4), page=6)
+    assert cache.insert(None, (1, 2), page=8) is None  # cached already: the page stays its request's
+    assert cache.match([(1, 2), (3, 9)]) == [a]  # another request finds a, holds it and computes c
+    cache.acquire([a])
+    c = cache.insert(a, (3, 9), page=7)
+    assert cache.match([(1, 2), (3, 4), (5, 6)]) == [a, b] and cache.match([(1, 2), (3,)]) == [a]
+    assert cache.match([(2, 1)]) == [] and cache.num_unreferenced == 0
+    cache.release([a, b])
+    assert [n.refs for n in (a, b, c)] == [1, 0, 1] and cache.num_unreferenced == 1
+    cache.release([a, c])
+    assert cache.num_unreferenced == 3
+    assert cache.evict() == 6  # b, released first, went first; a has a child
+    cache.acquire([a])  # a request holds a again: only c may go
+    assert cache.evict() == 7
+    with pytest.raises(RuntimeError):
+        cache.evict()
+    cache.release([a])
+    assert cache.evict() == 5 and cache.num_pages == 0 and list(cache.nodes()) == []
+
+
+def test_the_pool_counts_unreferenced_pages_as_available_and_evicts_when_none_is_free():
+    cache = PrefixCache()
+    pool = PagePool(4, cache)  # three usable pages
+    assert pool.reserve(3)
+    pages = [pool.take() for _ in range(3)]
+    node = cache.insert(None, (1,), pages[0])
+    pool.release(pages[1:], 0)  # the request's own pages go back; the cached one stays held
+    assert pool.num_available == 2
+    cache.release([node])
+    assert pool.num_available == 3 and pool.reserve(3)
+    taken = sorted(pool.take() for _ in range(3))
+    assert taken == sorted(pages) and cache.num_pages == 0 and cache.totals.evictions == 1
+
+
+# ---- the engine: same tokens with and without the cache --------------------------------------
+def prompts_with_a_shared_prefix(tokenizer, count: int) -> list[list[int]]:
+    """A shared system prompt of 3.5 blocks, then each its own question: the shared part
+    ends inside a page, so the pages after it differ."""
+    rng = random.Random(7)
+    system = [rng.randrange(5, 60) for _ in range(3 * BLOCK + BLOCK // 2)]
+    return [system + [rng.randrange(5, 60) for _ in range(rng.randrange(1, 2 * BLOCK))] for _ in range(count)]
+
+
+def generate(make_engine, prompts, **config):
+    engine = make_engine(**config)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=2 * BLOCK, ignore_eos=True))
+    return [o.token_ids for o in outputs], engine
+
+
+@pytest.mark.parametrize("mode", [m.value for m in SchedulerMode])
+@pytest.mark.parametrize("alignment", ["page", "prompt"])
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_tokens_with_the_cache_equal_those_without(make_engine, tokenizer, mode, alignment, max_batch):
+    prompts = prompts_with_a_shared_prefix(tokenizer, 10)
+    prompts.append(list(prompts[3]))  # the same prompt again: its last, partial page hits too
+    config = dict(mode=mode, max_batch=max_batch, block_alignment=alignment, fill_timeout_s=0.0)
+    without, _ = generate(make_engine, prompts, prefix_cache=False, **config)
+    with_cache, engine = generate(make_engine, prompts, **config)
+    assert with_cache == without
+    totals = engine.pool.cache.totals
+    assert totals.pages_hit >= 3 * (len(prompts) - max_batch)  # every later request found the system pages
+    assert engine.pool.num_available == engine.pool.capacity
+
+
+def test_a_prompt_of_whole_cached_pages_starts_denoising_at_once(make_engine, tokenizer):
+    prompt = prompts_with_a_shared_prefix(tokenizer, 1)[0][:4 * BLOCK]
+    engine = make_engine(max_batch=1)
+    first = engine.generate([prompt], SamplingParams(max_tokens=BLOCK, ignore_eos=True))[0]
+    steps = []
+    again = engine.generate([prompt], SamplingParams(max_tokens=BLOCK, ignore_eos=True), on_step=steps.append)[0]
+    assert again.token_ids == first.token_ids
+    assert steps[0].prefix_units == 0 and engine.pool.cache.totals.pages_hit == 4  # no prompt page computed
+
+
+def test_models_that_recompute_their_prompt_do_not_cache(make_engine):
+    assert make_engine(kv_cache="none").pool.cache is None
+    assert make_engine(prefix_cache=False).pool.cache is None
+    assert make_engine().pool.cache is not None
+
+
+# ---- no leak, nothing held evicted ---------------------------------------------------------------
+def check_pages(engine) -> None:
+    """Every page is exactly one of: scratch, free, cached, a running request's own; a
+    cached page's count is its holders'; an unreferenced one is evictable."""
+    pool, cache = engine.pool, engine.pool.cache
+    running = engine.scheduler.running
+    held = Counter(node for request in running for node in request.prefix_nodes)
+    nodes = list(cache.nodes())
+    assert all(node.refs == held[node] for node in nodes) and set(held) <= set(nodes)
+    assert cache.num_unreferenced == sum(node.refs == 0 for node in nodes) == cache.num_pages - len(held)
+    own = [page for request in running for page in request.pages[len(request.prefix_nodes):]]
+    everything = [PagePool.SCRATCH_PAGE] + pool._free + [node.page for node in nodes] + own
+    assert len(everything) == len(set(everything))  # no page in two places
+    reserved = sum(request.reserved_pages for request in running)
+    assert pool.num_available == pool.num_free + cache.num_unreferenced - reserved >= 0
+
+
+@pytest.mark.parametrize("mode", ["fdfo", "static"])
+def test_a_long_random_run_leaks_nothing_and_never_evicts_a_held_page(make_engine, mode):
+    """800 requests over a few shared prefixes, a pool small enough to evict all the time,
+    aborts at random steps and deadlines on the engine's clock; the pages are checked
+    after every step."""
+    rng = random.Random(mode)
+    now = [0.0]
+    engine = make_engine(mode=mode, max_batch=6, num_pages=40, fill_timeout_s=0.0)
+    engine.clock = engine.scheduler.clock = engine.outputs.clock = lambda: now[0]
+    systems = [[rng.randrange(5, 60) for _ in range(rng.randrange(BLOCK, 5 * BLOCK))] for _ in range(6)]
+    ended = Counter()
+    live: list[str] = []
+    for i in range(800):
+        prompt = rng.choice(systems) + [rng.randrange(5, 60) for _ in range(rng.randrange(0, BLOCK))]
+        timeout = rng.choice([None] * 6 + [0.05, 0.5])
+        request_id = f"r{i}"
+        engine.add_request(prompt, SamplingParams(max_tokens=rng.choice([1, BLOCK, 2 * BLOCK]), ignore_eos=True,
+                                                  timeout_s=timeout),
+                           request_id=request_id, on_output=lambda o: o.finished and ended.update([o.finish_reason]))
+        live.append(request_id)
+        if rng.random() < 0.1:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        for _ in range(rng.randrange(0, 3)):
+            now[0] += 0.01
+            engine.step()
+            check_pages(engine)
+    while engine.has_work():
+        now[0] += 0.01
+        engine.step()
+        check_pages(engine)
+    assert sum(ended.values()) == 800 and ended["abort"] > 30 and ended["timeout"] > 10 and ended["length"] > 300
+    cache = engine.pool.cache
+    assert cache.totals.evictions > 100 and cache.totals.pages_hit > 300
+    assert all(node.refs == 0 for node in cache.nodes())
+    assert engine.pool.num_available == engine.pool.capacity
