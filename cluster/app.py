@@ -80,7 +80,8 @@ def replica_deployment_options(config: AppConfig) -> dict:
         "graceful_shutdown_timeout_s": 60.0,
         "request_router_config": {
             "request_router_class": "cluster.router:DrainTimeRouter",
-            "request_router_kwargs": {"stale_after_s": stale_after_s(config.stats_period_s)},
+            "request_router_kwargs": {"stale_after_s": stale_after_s(config.stats_period_s),
+                                      "prefix_affinity_s": config.routing.prefix_affinity_s},
             "request_routing_stats_period_s": config.stats_period_s,
             "request_routing_stats_timeout_s": max(1.0, config.stats_period_s),
         },

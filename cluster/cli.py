@@ -169,6 +169,11 @@ def cmd_bench(args) -> int:
         result = bench_engine(args.model, num_requests=args.requests, max_batch=args.max_batch, rounds=args.rounds,
                               workload=args.workload,
                               on_fdfo_run=_calibration_writer(args.calibration, args.max_batch))
+    elif args.target == "prefix":
+        from loadgen.bench.prefix import bench_prefix
+
+        result = bench_prefix(args.requests, args.prefix_len, args.tail_len, args.max_tokens, args.max_batch,
+                              args.steps, args.rounds, hidden=args.hidden, layers=args.layers, heads=args.heads)
     elif args.target == "canvas":
         from loadgen.bench.canvas import bench_canvas
 
@@ -365,10 +370,14 @@ def cmd_status(args) -> int:
             print(f"  {deployment}: {info['status']} replicas {info['replicas']}")
     if not status["applications"]:
         print("no Serve application is running")
-    print(f"{'replica':<12}{'running':>8}{'waiting':>8}{'free pages':>12}{'step debt':>11}{'drain s':>9}{'row-steps/s':>13}")
+    print(f"{'replica':<12}{'running':>8}{'waiting':>8}{'free pages':>12}{'step debt':>11}{'drain s':>9}{'row-steps/s':>13}"
+          f"{'cached':>8}{'prefix hits':>13}")
     for replica, view in sorted(status["replicas"].items()):
+        looked_up = view["prefix_pages_looked_up"]
+        hits = f"{view['prefix_pages_hit'] / looked_up:.0%}" if looked_up else "-"
         print(f"{replica:<12}{view['running']:>8}{view['waiting']:>8}{view['free_pages']:>7}/{view['total_pages']:<4}"
-              f"{view['step_debt']:>11.0f}{view['predicted_drain_s']:>9.2f}{view['row_steps_per_s']:>13.0f}")
+              f"{view['step_debt']:>11.0f}{view['predicted_drain_s']:>9.2f}{view['row_steps_per_s']:>13.0f}"
+              f"{view['cached_pages']:>8}{hits:>13}")
     return 0
 
 
@@ -488,7 +497,7 @@ def _add_engine_commands(commands) -> None:
 
 
 def _add_engine_benches(targets) -> None:
-    """bench engine, policies and canvas: benchmarks of the engine itself."""
+    """bench engine, policies, canvas and prefix: benchmarks of the engine itself."""
     engine = targets.add_parser("engine", help="fdfo vs sync vs static tokens/s on one closed workload")
     engine.add_argument("--requests", type=int, default=256, help="requests (default 256)")
     engine.add_argument("--rounds", type=int, default=3,
@@ -524,6 +533,24 @@ def _add_engine_benches(targets) -> None:
     canvas.add_argument("--layers", type=int, default=16, help="transformer layers (default 16)")
     canvas.add_argument("--json", action="store_true", help="one JSON object on one line")
     canvas.set_defaults(func=cmd_bench)
+
+    prefix = targets.add_parser(
+        "prefix", help="prefix cache on vs off: tokens/s and time to first block on a random SDAR, shared prompts",
+        description="Requests that share a long prefix (a system prompt) and each add a tail of their own, on a "
+                    "random SDAR (blocks of 32, fixed_steps); one request warms the cache, then the rest arrive "
+                    "at once. Cache on and off run in alternating order; ratios are medians over the rounds.")
+    prefix.add_argument("--requests", type=int, default=8, help="timed requests (default 8)")
+    prefix.add_argument("--prefix-len", type=int, default=1024, help="shared prefix tokens (default 1024)")
+    prefix.add_argument("--tail-len", type=int, default=64, help="each request's own tokens after it (default 64)")
+    prefix.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default 128)")
+    prefix.add_argument("--max-batch", type=int, default=8, help="rows per step (default 8)")
+    prefix.add_argument("--steps", type=int, default=8, help="fixed_steps forwards per block (default 8)")
+    prefix.add_argument("--rounds", type=int, default=2, help="rounds of both settings (default 2)")
+    prefix.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024: ~185M parameters)")
+    prefix.add_argument("--layers", type=int, default=12, help="transformer layers (default 12)")
+    prefix.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
+    prefix.add_argument("--json", action="store_true", help="one JSON object on one line")
+    prefix.set_defaults(func=cmd_bench)
 
 
 def build_parser(client_only: bool = False) -> argparse.ArgumentParser:

@@ -125,6 +125,15 @@ class IngressSettings(_Section):
         2.0, gt=0, description="how long the ingress waits for the metrics actor before it gives up on a call")
 
 
+class RoutingSettings(_Section):
+    """How the ingress picks a replica for a request (cluster.router)."""
+
+    prefix_affinity_s: float = Field(
+        0.5, ge=0, description="a request goes to the replica last sent its longest prompt prefix (whose prefix "
+                               "cache likely holds it) unless that replica's predicted drain time is more than "
+                               "this many seconds above the soonest replica's; 0: always the soonest")
+
+
 class FailoverSettings(_Section):
     """Resuming a request on another replica when its replica fails (cluster.failover)."""
 
@@ -182,6 +191,7 @@ class AppConfig(_Section):
     slo: SLOSettings = Field(default_factory=SLOSettings)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
     failover: FailoverSettings = Field(default_factory=FailoverSettings)
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
 

@@ -56,6 +56,7 @@ from cluster.request_path import path_in_this_process
 from replicas.limits import aligned_head, blocks_needed
 from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, SamplingParams, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
+from replicas.prefix_cache import page_hashes
 from replicas.reports import IngressReport, stale_after_s
 from replicas.settings import ServingShape, resolve_algorithm
 
@@ -78,7 +79,8 @@ def _timeout(message: str) -> APIError:
 
 def _usage(answers: list[GenerateChunk]) -> dict:
     """The usage of a request's choices: the prompt once, every choice's tokens."""
-    return protocol.usage(answers[0].prompt_tokens, sum(a.completion_tokens for a in answers))
+    return protocol.usage(answers[0].prompt_tokens, sum(a.completion_tokens for a in answers),
+                          min(a.cached_tokens for a in answers))
 
 
 def _prompt_chars(body: protocol.SamplingFields) -> int:
@@ -302,7 +304,8 @@ class Ingress:
             timeout_s=min((t for t in (self.config.request_timeout_s, body.deadline_s) if t is not None), default=None),
             suffix_ids=suffix_ids)
         cost = self.admission.cost(head + max_tokens, block, worst, self.shape.max_cost)
-        return GenerateRequest(protocol.new_id("cmpl"), prompt_ids, params, cost)
+        hashes = page_hashes(prompt_ids, block) if self.shape.prefix_cache else ()
+        return GenerateRequest(protocol.new_id("cmpl"), prompt_ids, params, cost, hashes)
 
     def _suffix_ids(self, body: protocol.SamplingFields) -> tuple[int, ...]:
         """A completion's suffix (infilling), tokenized; 400 where the replicas cannot infill."""

@@ -72,8 +72,13 @@ METRICS = (
     MetricSpec("dllm_requests_total", Counter, "Requests ended, by finish reason (stop, length, abort, error)", ("replica", "finish_reason")),
     MetricSpec("dllm_request_latency_seconds", Histogram, "End-to-end request latency inside the replica", buckets=_LATENCY_BUCKETS),
     MetricSpec("dllm_time_to_first_block_seconds", Histogram, "Time from arrival at the replica to the first committed block", buckets=_LATENCY_BUCKETS),
-    MetricSpec("dllm_free_pages", Gauge, "Free KV pages (a page holds one block)"),
+    MetricSpec("dllm_free_pages", Gauge, "KV pages held by no request (a page holds one block): unused, or cached and unreferenced"),
     MetricSpec("dllm_total_pages", Gauge, "KV pages usable by requests"),
+    MetricSpec("dllm_cached_pages", Gauge, "KV pages in the prefix cache (held by requests or not)"),
+    MetricSpec("dllm_prefix_pages_looked_up_total", Counter, "Prompt (prefix) pages of admitted requests looked up in the prefix cache"),
+    MetricSpec("dllm_prefix_pages_hit_total", Counter, "Prefix pages found in the prefix cache (not computed again)"),
+    MetricSpec("dllm_prefix_tokens_hit_total", Counter, "Prompt tokens whose KV came from the prefix cache"),
+    MetricSpec("dllm_prefix_evictions_total", Counter, "Cached pages evicted to make room"),
     MetricSpec("dllm_admitted_total", Counter, "Requests admitted by the ingress", ()),
     MetricSpec("dllm_rejected_total", Counter, "Requests refused by the ingress, by reason", ("reason",)),
     MetricSpec("dllm_failovers_total", Counter, "Requests resumed on another replica after theirs failed", ()),
@@ -91,6 +96,14 @@ _GAUGE_SOURCES = {
     "dllm_row_steps_per_second": "row_steps_per_s",
     "dllm_free_pages": "free_pages",
     "dllm_total_pages": "total_pages",
+    "dllm_cached_pages": "cached_pages",
+}
+# counter name -> key of the replica's routing stats holding its total since the start
+_TOTAL_SOURCES = {
+    "dllm_prefix_pages_looked_up_total": "prefix_pages_looked_up",
+    "dllm_prefix_pages_hit_total": "prefix_pages_hit",
+    "dllm_prefix_tokens_hit_total": "prefix_tokens_hit",
+    "dllm_prefix_evictions_total": "prefix_evictions",
 }
 
 
@@ -118,7 +131,10 @@ class MetricsExporter:
         """Add one replica report (see ``replicas.monitor.ReplicaMonitor.report``)."""
         m = self.metrics
         self._last_seen[replica] = time.monotonic()
+        last = self._views.get(replica, ReplicaStats())
         stats = self._views[replica] = ReplicaStats.model_validate(report["gauges"])
+        for name, key in _TOTAL_SOURCES.items():  # totals since the replica started: count what is new
+            m[name].labels(replica).inc(max(0, getattr(stats, key) - getattr(last, key)))
         self._calibration.setdefault(replica, CalibrationLog()).extend(report["calibration"])
         for name, key in _GAUGE_SOURCES.items():
             m[name].labels(replica).set(getattr(stats, key))

@@ -1,4 +1,5 @@
-"""Serve request router: send each request to the replica that will drain first.
+"""Serve request router: send each request to the replica that will drain first, or to
+the one that holds its prompt's prefix if that one drains nearly as soon.
 
 A replica's predicted drain time is its step debt divided by its drain rate at full batch
 (``drain_row_steps_per_s``, the rate admission predicts with), from the routing stats
@@ -8,17 +9,27 @@ idlest at the last collection. Replicas whose stats are missing or stale come ne
 Serve picks the shortest queue; last come the replicas whose engine steps are failing
 (from their stats) or that just failed a request in this process (``avoid``, told by
 ``cluster.failover``), so a resumed request goes elsewhere while another replica can take it.
+
+Prefix affinity: the router remembers which replica it last sent each prompt page
+(``GenerateRequest.prefix_hashes``, bounded, least recently used first out); a request
+goes to the replica that was sent its longest prefix, whose prefix cache likely holds it,
+unless that replica's predicted drain time is more than ``prefix_affinity_s`` above the
+soonest one's.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from typing import TypeVar
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from replicas.messages import GenerateRequest
 from replicas.reports import MIN_STALE_S, ReplicaStats
 
+MAX_REMEMBERED_PAGES = 200_000  # prefix hashes a router keeps (a few MB)
+T = TypeVar("T")
 _avoid_until: dict[str, float] = {}  # replica id -> until when (monotonic) to rank it last
 
 
@@ -37,9 +48,46 @@ def _avoided(replica_id: str) -> bool:
     return True
 
 
+class PrefixMemory:
+    """Which replica was last sent each prompt page (by its ``page_hashes``), the least
+    recently sent forgotten first beyond ``capacity`` pages."""
+
+    def __init__(self, capacity: int = MAX_REMEMBERED_PAGES):
+        self.capacity = capacity
+        self._replica: OrderedDict[int, str] = OrderedDict()
+
+    def record(self, hashes: tuple[int, ...], replica: str) -> None:
+        for page in hashes:
+            self._replica[page] = replica
+            self._replica.move_to_end(page)
+        while len(self._replica) > self.capacity:
+            self._replica.popitem(last=False)
+
+    def holder(self, hashes: tuple[int, ...]) -> str | None:
+        """The replica last sent the longest of these prefixes, if any was sent."""
+        for page in reversed(hashes):
+            replica = self._replica.get(page)
+            if replica is not None:
+                return replica
+        return None
+
+
+def affinity_first(fresh: list[tuple[float, str, T]], holder: str | None, slack_s: float) -> list[T]:
+    """The replicas of ``fresh`` (predicted drain, id, replica) soonest drain first, but the
+    ``holder`` of the request's prefix first when it drains within ``slack_s`` of the soonest."""
+    ranked = sorted(fresh, key=lambda item: item[0])
+    near = [item for item in ranked if item[1] == holder and item[0] <= ranked[0][0] + slack_s]
+    if near:
+        ranked.remove(near[0])
+        ranked.insert(0, near[0])
+    return [replica for _, _, replica in ranked]
+
+
 class DrainTimeRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, stale_after_s: float = MIN_STALE_S, **kwargs) -> None:
+    def initialize_state(self, stale_after_s: float = MIN_STALE_S, prefix_affinity_s: float = 0.0, **kwargs) -> None:
         self.stale_after_s = stale_after_s
+        self.prefix_affinity_s = prefix_affinity_s
+        self.prefixes = PrefixMemory()
         self._routed_since_stats: dict[str, tuple[float, float]] = {}  # replica -> (stats_time, cost)
         self._parsed: dict[str, tuple[dict, ReplicaStats]] = {}  # replica -> (Serve's dict, its record)
 
@@ -70,10 +118,14 @@ class DrainTimeRouter(FIFOMixin, RequestRouter):
                 continue
             drain = self.predicted_drain_s(replica)
             (stale if drain is None else fresh).append((drain, replica))
-        ranks = [[replica] for _, replica in sorted(fresh, key=lambda item: item[0])]
+        holder = self.prefixes.holder(_prefix_hashes(pending_request))
+        ranked = affinity_first([(drain, replica.replica_id.unique_id, replica) for drain, replica in fresh],
+                                holder, self.prefix_affinity_s)
+        ranks = [[replica] for replica in ranked]
         return [rank for rank in (*ranks, [replica for _, replica in stale], failing) if rank]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        self.prefixes.record(_prefix_hashes(pending_request), replica_id.unique_id)
         cost = _request_cost(pending_request)
         replica = next((r for r in self.curr_replicas.values() if r.replica_id == replica_id), None)
         if replica is None or not cost:
@@ -85,8 +137,17 @@ class DrainTimeRouter(FIFOMixin, RequestRouter):
         self._routed_since_stats[replica_id.unique_id] = (stats_time, routed + cost)
 
 
+def _job(pending_request: PendingRequest | None) -> GenerateRequest | None:
+    if pending_request is None or not pending_request.args or not isinstance(pending_request.args[0], GenerateRequest):
+        return None
+    return pending_request.args[0]
+
+
 def _request_cost(pending_request: PendingRequest | None) -> float:
-    if pending_request is None or not pending_request.args:
-        return 0.0
-    job = pending_request.args[0]
-    return (job.cost or 0.0) if isinstance(job, GenerateRequest) else 0.0
+    job = _job(pending_request)
+    return (job.cost or 0.0) if job is not None else 0.0
+
+
+def _prefix_hashes(pending_request: PendingRequest | None) -> tuple[int, ...]:
+    job = _job(pending_request)
+    return job.prefix_hashes if job is not None else ()

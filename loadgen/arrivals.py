@@ -40,6 +40,20 @@ def tiny_prompts(n: int, seed: int) -> list[str]:
     return [request.prompt for request in task.make_requests(n, seed)]
 
 
+def shared_prefix_prompts(n: int, seed: int, shared: int = 4) -> list[str]:
+    """``n`` prompts of the tiny task that all begin with the same ``shared`` puzzles (as
+    requests that share a system prompt or few-shot examples) and end with 1 or 2 of their
+    own: a workload for the prefix cache (seeded)."""
+    from replicas.tiny import task
+
+    fixed = tuple(p for request in task.make_requests(shared, seed + 1_000_003) for p in request.puzzles)[:shared]
+    own = task.make_requests(n, seed)
+    return [task.format_prompt(fixed + request.puzzles[:1 + i % 2]) for i, request in enumerate(own)]
+
+
+WORKLOADS = {"tiny": tiny_prompts, "shared-prefix": shared_prefix_prompts}
+
+
 def with_prompts(times: list[float], prompts: list[str]) -> list[Arrival]:
     """Pair send times with prompts, cycling through the prompts."""
     return [Arrival(t, prompts[i % len(prompts)]) for i, t in enumerate(times)]

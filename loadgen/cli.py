@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 
 from loadgen import client
-from loadgen.arrivals import MAX_REQUESTS, load_trace, poisson_times, tiny_prompts, with_prompts
+from loadgen.arrivals import MAX_REQUESTS, WORKLOADS, load_trace, poisson_times, with_prompts
 from loadgen.records import Arrival, LoadgenError, Record
 from loadgen.report import format_summary, format_sweep
 from loadgen.loops import Progress, run_open_loop
@@ -131,8 +131,11 @@ def add_loadgen_parser(commands) -> argparse.ArgumentParser:
     body.add_argument("--chat", action="store_true",
                       help="use /v1/chat/completions (one user message) instead of /v1/completions")
     body.add_argument("--prompt", metavar="TEXT",
-                      help="send this prompt every time (default: seeded prompts of the tiny model's task, "
-                           "drawn like its held-out set)")
+                      help="send this prompt every time (default: seeded prompts of the --workload)")
+    body.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
+                      help="the prompts: 'tiny', the tiny model's task drawn like its held-out set; 'shared-prefix', "
+                           "the same 4 puzzles first in every prompt (a shared system prompt), then 1 or 2 of "
+                           "the request's own: the report gives the prefix cache's hit rate (default tiny)")
     body.add_argument("--algorithm", help="dLLM extension: the denoise algorithm of every request "
                                           "(e.g. low_confidence, fast_dllm_threshold)")
     body.add_argument("--extra", type=_json_object, metavar="JSON", default={},
@@ -165,7 +168,8 @@ def _plan(args) -> list[tuple[float | None, list[Arrival]]]:
         times = poisson_times(rate, args.seed, args.duration, args.requests, args.max_requests)
         if len(times) == args.max_requests and (args.requests is None or args.requests > args.max_requests):
             print(f"note: capped at --max-requests {args.max_requests}", file=sys.stderr)
-        plan.append((rate, with_prompts(times, [args.prompt] if args.prompt else tiny_prompts(len(times), args.seed))))
+        prompts = [args.prompt] if args.prompt else WORKLOADS[args.workload](len(times), args.seed)
+        plan.append((rate, with_prompts(times, prompts)))
     return plan
 
 

@@ -179,6 +179,7 @@ async def _read_stream(response: aiohttp.ClientResponse, record: Record, sent: f
         characters += len("".join(text.split()))
         if event.get("usage"):
             usage_tokens = event["usage"].get("completion_tokens")
+            _read_prompt_usage(event["usage"], record)
         dllm = event.get("dllm") or {}
         record.steps = dllm.get("steps", record.steps)
         record.replica = dllm.get("replica", record.replica)
@@ -190,6 +191,15 @@ async def _read_stream(response: aiohttp.ClientResponse, record: Record, sent: f
         record.output_tokens, record.tokens_from = characters, "characters"
     else:
         record.output_tokens, record.tokens_from = usage_tokens, "usage"
+
+
+def _read_prompt_usage(usage, record: Record) -> None:
+    """The prompt's tokens and those a prefix cache held, where the server says."""
+    if not isinstance(usage, dict):
+        return
+    details = usage.get("prompt_tokens_details")
+    record.prompt_tokens = usage.get("prompt_tokens")
+    record.cached_tokens = details.get("cached_tokens") if isinstance(details, dict) else None
 
 
 def _read_reply(reply: Reply, record: Record, latency_s: float) -> None:
@@ -209,6 +219,7 @@ def _read_reply(reply: Reply, record: Record, latency_s: float) -> None:
         return
     record.status, record.ttfb_s = OK, latency_s
     record.output_tokens, record.tokens_from = tokens, "usage"
+    _read_prompt_usage(body["usage"], record)
     record.steps, record.replica, record.engine_s = dllm.get("steps"), dllm.get("replica"), dllm.get("engine_s")
 
 

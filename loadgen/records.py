@@ -41,6 +41,8 @@ class Record:
     ttfb_s: float | None = None
     output_tokens: int = 0
     tokens_from: str | None = None
+    prompt_tokens: int | None = None  # from the server's usage
+    cached_tokens: int | None = None  # of those, found in a prefix cache (usage.prompt_tokens_details)
     steps: int | None = None
     replica: str | None = None
     engine_s: float | None = None  # the server's time in its engine (dllm-serve reports it)

@@ -39,6 +39,8 @@ def format_summary(summary: dict) -> str:
         f"goodput          {summary['goodput_rps']:.2f} req/s ({summary['good']} of {summary['completed']} "
         f"completed requests {_slo_text(summary['slo'])})",
     ]
+    if summary["prefix_hit_rate"] is not None:
+        lines.append(f"prefix cache     {summary['prefix_hit_rate']:.1%} of prompt tokens were cached")
     lines += [f"error            {count} x {message}" for message, count in summary["top_errors"].items()]
     return "\n".join(lines)
 

@@ -53,6 +53,7 @@ def summarize(records: Sequence[Record], offered_rate: float, slo_latency_s: flo
     tokens = sum(r.output_tokens for r in done)
     good = sum(meets_slo(r, slo_latency_s, slo_ttfb_s) for r in done)
     errors = Counter(r.error for r in records if r.status not in (OK, REFUSED))
+    told = [r for r in done if r.prompt_tokens and r.cached_tokens is not None]
     return {
         "offered_rate": offered_rate,
         "sent": len(records),
@@ -68,6 +69,8 @@ def summarize(records: Sequence[Record], offered_rate: float, slo_latency_s: flo
         "output_tokens": tokens,
         "output_tokens_per_s": per_second(tokens),
         "tokens_from": sorted({r.tokens_from for r in done if r.tokens_from}),
+        # prompt tokens the server found in its prefix cache, of those of the answers that say
+        "prefix_hit_rate": sum(r.cached_tokens for r in told) / sum(r.prompt_tokens for r in told) if told else None,
         "slo": {"latency_s": slo_latency_s, "ttfb_s": slo_ttfb_s},
         "good": good,
         "goodput_rps": per_second(good),

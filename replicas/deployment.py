@@ -130,8 +130,15 @@ class EngineReplica:
                 "failing_steps": self.engine.failed_steps_in_a_row}
 
     def _refresh_gauges(self) -> None:
-        scheduler, pool = self.engine.scheduler, self.engine.pool
-        self.monitor.set_gauges(len(scheduler.waiting), len(scheduler.running), pool.num_free, pool.capacity)
+        scheduler, pool, cache = self.engine.scheduler, self.engine.pool, self.engine.pool.cache
+        unreferenced = cache.num_unreferenced if cache else 0
+        self.monitor.set_gauges(waiting=len(scheduler.waiting), running=len(scheduler.running),
+                                free_pages=pool.num_free + unreferenced, total_pages=pool.capacity)
+        if cache is not None:
+            totals = cache.totals
+            self.monitor.set_gauges(cached_pages=cache.num_pages, prefix_pages_looked_up=totals.pages_looked_up,
+                                    prefix_pages_hit=totals.pages_hit, prefix_tokens_hit=totals.tokens_hit,
+                                    prefix_evictions=totals.evictions)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return self.monitor.autoscaling_stats()

@@ -56,6 +56,9 @@ class GenerateRequest:
     prompt_ids: list[int]
     params: SamplingParams
     cost: float | None = None  # row-steps charged at admission; None: the replica's worst case
+    # ``prefix_cache.page_hashes`` of the prompt where the replicas cache prefixes: the
+    # router prefers the replica that was sent the longest of them
+    prefix_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class GenerateChunk:
     # it ran past its deadline
     error_kind: Literal["invalid_request", "replica_fault", "timeout"] | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of those, found in the replica's prefix cache
     completion_tokens: int = 0
     steps: int = 0  # forwards the request took so far
     block_steps: list[int] = field(default_factory=list)  # steps of each committed block

@@ -44,7 +44,7 @@ class ReplicaMonitor:
         self._lock = threading.Lock()
         self._window: deque[tuple[int, float]] = deque(maxlen=self.WINDOW_STEPS)
         self._debt: dict[str, tuple[float, int]] = {}  # request id -> (cost, steps taken)
-        self._gauges = {"waiting": 0, "running": 0, "free_pages": 0, "total_pages": 0}
+        self._gauges: dict[str, float] = {}  # queue lengths, pages and prefix-cache counts (``set_gauges``)
         self._calibration = CalibrationLog()  # records not yet reported
         self._forward_cpu_total_s = 0.0  # since start, for ``routing_stats``
         self._step_cpu_total_s = 0.0
@@ -89,10 +89,11 @@ class ReplicaMonitor:
                 self._batch_sizes.append(stats.batch_size)
             self._block_steps.extend(stats.block_steps[: self.max_samples - len(self._block_steps)])
 
-    def set_gauges(self, waiting: int, running: int, free_pages: int, total_pages: int) -> None:
-        """Current queue lengths and pages, read from the engine by the replica."""
+    def set_gauges(self, **gauges: float) -> None:
+        """Current queue lengths, pages and prefix-cache counts, read from the engine by the
+        replica (``replicas.reports.ReplicaStats`` names them)."""
         with self._lock:
-            self._gauges.update(waiting=waiting, running=running, free_pages=free_pages, total_pages=total_pages)
+            self._gauges.update(gauges)
 
     def request_started(self, request_id: str, cost: float) -> None:
         with self._lock:

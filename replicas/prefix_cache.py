@@ -21,6 +21,17 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 
+def page_hashes(prompt_ids: Sequence[int], page_size: int) -> tuple[int, ...]:
+    """One hash per whole page of ``prompt_ids``, each over that page and every page before
+    it: what a router compares to find where a prompt's longest prefix went (ints and
+    tuples hash alike in every process)."""
+    hashes, last = [], 0
+    for start in range(0, len(prompt_ids) - page_size + 1, page_size):
+        last = hash((last, tuple(prompt_ids[start:start + page_size])))
+        hashes.append(last)
+    return tuple(hashes)
+
+
 @dataclass(eq=False)
 class CachedPage:
     page: int  # the pool page holding the KV

@@ -55,8 +55,18 @@ class ReplicaStats(BaseModel):
     # queues and pages
     waiting: int = 0
     running: int = 0
-    free_pages: int = 0
+    free_pages: int = 0  # held by no request: unused, or cached and unreferenced
     total_pages: int = 0
+    # the prefix cache (``replicas.prefix_cache``): pages in it now; totals since the start
+    cached_pages: int = 0
+    prefix_pages_looked_up: int = 0
+    prefix_pages_hit: int = 0
+    prefix_tokens_hit: int = 0
+    prefix_evictions: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_pages_hit / self.prefix_pages_looked_up if self.prefix_pages_looked_up else 0.0
 
     @property
     def drain_rate(self) -> float:

@@ -52,6 +52,7 @@ class Request:
     # the prefix cache's nodes of its first pages (``replicas.prefix_cache``): found there
     # at admission, or computed here and cached since
     prefix_nodes: list[CachedPage] = field(default_factory=list)
+    cached_tokens: int = 0  # prefix tokens found in the cache at admission
     block_index: int = 0  # index of the active answer block
     steps_in_block: int = 0  # forwards of the active block so far
     committed_block_steps: list[int] = field(default_factory=list)

@@ -205,6 +205,7 @@ class Scheduler:
             request.block_index = request.first_block_index
             request.reserved_pages = request.blocks_to_denoise
             request.prefix_nodes = cached
+            request.cached_tokens = sum(len(node.tokens) for node in cached)
             request.prefilled_pages = len(cached)
             request.pages = [node.page for node in cached] + [self.pool.take()
                                                               for _ in range(request.prefix_pages - len(cached))]

@@ -68,3 +68,19 @@ def test_calibration_records_reach_the_exporter_per_replica_and_window():
     assert exporter.calibration(window_s=60)["r1"]["prefix_units"] == 7
     time.sleep(0.05)
     assert exporter.calibration(window_s=0.01)["r1"]["step_periods"] == []  # older than the window
+
+
+def test_prefix_cache_totals_become_counters_of_what_is_new():
+    monitor = ReplicaMonitor(initial_row_steps_per_s=100.0)
+    exporter = MetricsExporter()
+    for looked_up, hit, cached in ((10, 4, 6), (30, 20, 9)):
+        monitor.set_gauges(cached_pages=cached, prefix_pages_looked_up=looked_up, prefix_pages_hit=hit,
+                           prefix_tokens_hit=16 * hit, prefix_evictions=1)
+        exporter.push_replica("r1", monitor.report())
+    text = generate_latest(exporter.registry).decode()
+    assert sample(text, "dllm_prefix_pages_looked_up_total", 'replica="r1"') == 30
+    assert sample(text, "dllm_prefix_pages_hit_total", 'replica="r1"') == 20
+    assert sample(text, "dllm_prefix_tokens_hit_total", 'replica="r1"') == 320
+    assert sample(text, "dllm_prefix_evictions_total", 'replica="r1"') == 1
+    assert sample(text, "dllm_cached_pages", 'replica="r1"') == 9
+    assert exporter.cluster_view()["r1"]["prefix_pages_hit"] == 20

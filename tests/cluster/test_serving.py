@@ -68,6 +68,10 @@ def test_openai_client_completes_chats_and_streams(cluster):
     assert completion.choices[0].finish_reason == "stop"
     assert completion.usage.prompt_tokens == 112 and completion.usage.completion_tokens == 96
     assert sum(task.grade(SIX_PUZZLES, completion.choices[0].text)) >= 5
+    # the same prompt again: routed to the replica that computed it, whose prefix cache
+    # holds all 7 pages of it (the same tokens come back)
+    again = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=TINY_MAX_TOKENS)
+    assert again.usage.prompt_tokens_details.cached_tokens == 112 and again.choices[0].text == completion.choices[0].text
 
     chat = client.chat.completions.create(model="tiny", max_tokens=TINY_MAX_TOKENS,
                                           messages=[{"role": "user", "content": SIX_PUZZLES.prompt}])

@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from loadgen.arrivals import load_trace, poisson_times, tiny_prompts, with_prompts
+from loadgen.arrivals import load_trace, poisson_times, shared_prefix_prompts, tiny_prompts, with_prompts
 from loadgen.records import LoadgenError
 
 
@@ -45,6 +45,15 @@ def test_prompts_are_the_tiny_task_and_cycle():
     arrivals = with_prompts([0.1, 0.2, 0.3], ["a", "b"])
     assert [(a.time_s, a.prompt, a.max_tokens) for a in arrivals] == [(0.1, "a", None), (0.2, "b", None),
                                                                      (0.3, "a", None)]
+
+
+def test_shared_prefix_prompts_begin_alike_and_end_their_own_way():
+    prompts = shared_prefix_prompts(20, seed=0)
+    cells = ["".join(p.split()) for p in prompts]
+    assert prompts == shared_prefix_prompts(20, seed=0) and all(len(c) == 112 for c in cells)
+    assert len({c[:64] for c in cells}) == 1 and len({c[64:] for c in cells}) == 20  # 4 puzzles of 16 cells
+    alone = sum(c[80:96] == "-" * 16 for c in cells)  # then 1 or 2 puzzles of their own
+    assert 10 <= alone < 20 and all(c[96:] == "-" * 16 for c in cells)
 
 
 def write(tmp_path, lines):

@@ -22,7 +22,8 @@ def sse(*bodies) -> bytes:
 def chunk(text, usage=None, steps=3):
     body = {"choices": [{"index": 0, "text": text, "finish_reason": None}], "dllm": {"steps": steps, "replica": "r1"}}
     if usage is not None:
-        body = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": usage}}
+        body = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": usage,
+                                         "prompt_tokens_details": {"cached_tokens": 5}}}
     return body
 
 
@@ -70,6 +71,7 @@ def test_ok_stream_with_usage():
     assert seen["prompt"] == ARRIVAL.prompt and seen["max_tokens"] == 32 and seen["model"] == "tiny"
     assert (record.status, record.http_status, record.error) == (OK, 200, None)
     assert (record.output_tokens, record.tokens_from, record.steps, record.replica) == (12, "usage", 9, "r1")
+    assert (record.prompt_tokens, record.cached_tokens) == (7, 5)
     assert 0 < record.ttfb_s <= record.latency_s and record.index == 3
 
 
@@ -85,6 +87,7 @@ def test_a_whole_answer_when_not_streamed():
     assert seen["stream"] is False and "stream_options" not in seen
     assert (record.status, record.output_tokens, record.tokens_from, record.steps, record.replica,
             record.engine_s) == (OK, 4, "usage", 5, "r2", 0.25)
+    assert (record.prompt_tokens, record.cached_tokens) == (None, None)  # a server that does not say
     assert record.ttfb_s == pytest.approx(record.latency_s, abs=0.05)
     record = run_send(lambda r: httpx.Response(200, content=b"not json"),
                       Endpoint(url="", model="tiny", stream=False))

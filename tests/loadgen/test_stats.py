@@ -89,3 +89,13 @@ def test_plots_are_pngs(tmp_path):
     plot_sweep(summaries, str(tmp_path / "sweep.png"), "synthetic")
     for name in ("run.png", "sweep.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_prefix_hit_rate_counts_the_answers_that_say():
+    records = [Record(index=i, planned_s=i, sent_s=i, status=OK, latency_s=0.1, prompt_tokens=p, cached_tokens=c)
+               for i, (p, c) in enumerate([(100, 60), (50, 0), (80, None), (None, None)])]
+    summary = summarize(records, 1.0)
+    assert summary["prefix_hit_rate"] == pytest.approx(60 / 150)
+    assert "prefix cache     40.0% of prompt tokens were cached" in format_summary(summary)
+    assert summarize(records[2:], 1.0)["prefix_hit_rate"] is None
+    assert "prefix cache" not in format_summary(summarize(records[2:], 1.0))
