@@ -40,15 +40,17 @@ def tiny_prompts(n: int, seed: int) -> list[str]:
     return [request.prompt for request in task.make_requests(n, seed)]
 
 
-def shared_prefix_prompts(n: int, seed: int, shared: int = 4) -> list[str]:
-    """``n`` prompts of the tiny task that all begin with the same ``shared`` puzzles (as
+def shared_prefix_prompts(n: int, seed: int, shared: int = 4, groups: int = 1) -> list[str]:
+    """``n`` prompts of the tiny task that begin with the same ``shared`` puzzles (as
     requests that share a system prompt or few-shot examples) and end with 1 or 2 of their
-    own: a workload for the prefix cache (seeded)."""
+    own: a workload for the prefix cache (seeded). With ``groups`` > 1, prompt i begins
+    with group i % groups's puzzles (many documents, each asked several questions)."""
     from replicas.tiny import task
 
-    fixed = tuple(p for request in task.make_requests(shared, seed + 1_000_003) for p in request.puzzles)[:shared]
+    firsts = [tuple(p for request in task.make_requests(shared, seed + 1_000_003 + g) for p in request.puzzles)[:shared]
+              for g in range(groups)]
     own = task.make_requests(n, seed)
-    return [task.format_prompt(fixed + request.puzzles[:1 + i % 2]) for i, request in enumerate(own)]
+    return [task.format_prompt(firsts[i % groups] + request.puzzles[:1 + i % 2]) for i, request in enumerate(own)]
 
 
 WORKLOADS = {"tiny": tiny_prompts, "shared-prefix": shared_prefix_prompts}

@@ -136,6 +136,8 @@ def add_loadgen_parser(commands) -> argparse.ArgumentParser:
                       help="the prompts: 'tiny', the tiny model's task drawn like its held-out set; 'shared-prefix', "
                            "the same 4 puzzles first in every prompt (a shared system prompt), then 1 or 2 of "
                            "the request's own: the report gives the prefix cache's hit rate (default tiny)")
+    body.add_argument("--prefix-groups", type=positive_number(int), default=1, metavar="N",
+                      help="shared-prefix: N different shared beginnings, taken in turn (default 1)")
     body.add_argument("--algorithm", help="dLLM extension: the denoise algorithm of every request "
                                           "(e.g. low_confidence, fast_dllm_threshold)")
     body.add_argument("--extra", type=_json_object, metavar="JSON", default={},
@@ -155,6 +157,10 @@ def add_loadgen_parser(commands) -> argparse.ArgumentParser:
     return parser
 
 
+def _workload_options(args) -> dict:
+    return {"groups": args.prefix_groups} if args.workload == "shared-prefix" else {}
+
+
 def _plan(args) -> list[tuple[float | None, list[Arrival]]]:
     """(offered rate, arrivals) for each run; validates the bounds and the trace."""
     if args.trace:
@@ -168,7 +174,8 @@ def _plan(args) -> list[tuple[float | None, list[Arrival]]]:
         times = poisson_times(rate, args.seed, args.duration, args.requests, args.max_requests)
         if len(times) == args.max_requests and (args.requests is None or args.requests > args.max_requests):
             print(f"note: capped at --max-requests {args.max_requests}", file=sys.stderr)
-        prompts = [args.prompt] if args.prompt else WORKLOADS[args.workload](len(times), args.seed)
+        prompts = [args.prompt] if args.prompt else WORKLOADS[args.workload](len(times), args.seed,
+                                                                            **_workload_options(args))
         plan.append((rate, with_prompts(times, prompts)))
     return plan
 

@@ -54,6 +54,8 @@ def test_shared_prefix_prompts_begin_alike_and_end_their_own_way():
     assert len({c[:64] for c in cells}) == 1 and len({c[64:] for c in cells}) == 20  # 4 puzzles of 16 cells
     alone = sum(c[80:96] == "-" * 16 for c in cells)  # then 1 or 2 puzzles of their own
     assert 10 <= alone < 20 and all(c[96:] == "-" * 16 for c in cells)
+    grouped = ["".join(p.split())[:64] for p in shared_prefix_prompts(20, seed=0, groups=3)]
+    assert grouped[0] == cells[0][:64] and len(set(grouped)) == 3 and grouped[:3] == grouped[3:6]
 
 
 def write(tmp_path, lines):

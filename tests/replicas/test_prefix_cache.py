@@ -117,7 +117,7 @@ def check_pages(engine) -> None:
 
 @pytest.mark.parametrize("mode", ["fdfo", "static"])
 def test_a_long_random_run_leaks_nothing_and_never_evicts_a_held_page(make_engine, mode):
-    """800 requests over a few shared prefixes, a pool small enough to evict all the time,
+    """500 requests over a few shared prefixes, a pool small enough to evict all the time,
     aborts at random steps and deadlines on the engine's clock; the pages are checked
     after every step."""
     rng = random.Random(mode)
@@ -127,7 +127,7 @@ def test_a_long_random_run_leaks_nothing_and_never_evicts_a_held_page(make_engin
     systems = [[rng.randrange(5, 60) for _ in range(rng.randrange(BLOCK, 5 * BLOCK))] for _ in range(6)]
     ended = Counter()
     live: list[str] = []
-    for i in range(800):
+    for i in range(500):
         prompt = rng.choice(systems) + [rng.randrange(5, 60) for _ in range(rng.randrange(0, BLOCK))]
         timeout = rng.choice([None] * 6 + [0.05, 0.5])
         request_id = f"r{i}"
@@ -145,8 +145,8 @@ def test_a_long_random_run_leaks_nothing_and_never_evicts_a_held_page(make_engin
         now[0] += 0.01
         engine.step()
         check_pages(engine)
-    assert sum(ended.values()) == 800 and ended["abort"] > 30 and ended["timeout"] > 10 and ended["length"] > 300
+    assert sum(ended.values()) == 500 and ended["abort"] > 20 and ended["timeout"] > 10 and ended["length"] > 200
     cache = engine.pool.cache
-    assert cache.totals.evictions > 100 and cache.totals.pages_hit > 300
+    assert cache.totals.evictions > 100 and cache.totals.pages_hit > 200
     assert all(node.refs == 0 for node in cache.nodes())
     assert engine.pool.num_available == engine.pool.capacity
