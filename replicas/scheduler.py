@@ -11,7 +11,8 @@ Pages: admission reserves a request's worst case (prompt pages + max blocks); pa
 taken from the reservation one block at a time and all returned on release. With a
 prefix cache (``PagePool.cache``) a request starts with the cached pages of its prefix
 (held, never taken from its reservation) and prefills from the first page not cached;
-the prefix pages it computes are cached once a step has written them. With the
+the prefix pages it computes, and its committed blocks, are cached once a step has
+written their final KV (a chat's next turn finds its history where blocks are aligned). With the
 full canvas (``full_canvas``) every block's page is taken and masked at admission, since
 every position attends to all of them from the first step. A
 continuation (``SamplingParams.resume_ids``) takes its resumed blocks' pages at admission
@@ -62,7 +63,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.scheduled: list[Request] = []  # the requests of the last batch's rows
         self.stepped: list[Request] = []  # those whose block it steps, in block-unit order
-        self._prefilled: list[tuple[Request, int, int]] = []  # (request, first, end page index) prefilled by it
+        # (request, first, end page index): pages whose final KV the last batch writes
+        self._written: list[tuple[Request, int, int]] = []
         self.cache = pool.cache
         self._block_starts: list[tuple[int, int, int, int]] = []  # (row, page index, page, kept tokens)
 
@@ -90,7 +92,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch, or None (nothing runnable, or waiting until ``hold_until``)."""
         self.hold_until = None
-        self.scheduled, self.stepped, self._prefilled = [], [], []
+        self.scheduled, self.stepped, self._written = [], [], []
         try:
             round_over = self._end_round()
             if self.waiting and self.policy.admits(len(self.running), round_over):
@@ -109,7 +111,9 @@ class Scheduler:
         be written (a fused commit, see ``_build_batch``). A request that ended since it
         was scheduled (its algorithm failed) is skipped."""
         if self.cache is not None:
-            self._cache_prefilled()
+            for request, first, end in self._written:
+                if request.row >= 0:  # not ended in the step (its algorithm failed): it has its pages
+                    self._cache_pages(request, first, end)
         kv_stale = kv_stale or [False] * len(commits)
         for request, commit, stale in zip(self.stepped, commits, kv_stale, strict=True):
             if request.phase is not Phase.DENOISE:
@@ -122,22 +126,25 @@ class Scheduler:
             request.phase = Phase.BLOCK_DONE if request.finish_reason is None else Phase.FINISHED
             if stale and request.phase is Phase.BLOCK_DONE:
                 request.unwritten_page = request.active_page_index
+            elif not stale and self.cache is not None:  # its KV is the final tokens' already
+                self._cache_pages(request, request.active_page_index, request.active_page_index + 1)
 
-    def _cache_prefilled(self) -> None:
-        """Cache the prefix pages the last batch wrote, each under its request's page
-        before it; a request's chain stops at a page cached already (by another request
-        meanwhile: its copy stays its own)."""
-        for request, first, end in self._prefilled:
-            if request.row < 0:  # ended in the step (its algorithm failed): its pages are gone
-                continue
-            for index in range(first, end):
-                if len(request.prefix_nodes) != index:
-                    break
-                parent = request.prefix_nodes[-1] if request.prefix_nodes else None
-                node = self.cache.insert(parent, request.prefix_page_tokens(index), request.pages[index])
-                if node is None:
-                    break
-                request.prefix_nodes.append(node)
+    def _cache_pages(self, request: Request, first: int, end: int) -> None:
+        """Cache the request's pages ``first`` to ``end`` (their final KV written: prompt
+        pages, and with aligned blocks committed ones), each under its page before; a
+        request's chain stops at a gap or at a page cached already (by another request
+        meanwhile: its copy stays its own). Unaligned, an answer starts on a page of its
+        own after the prompt's partial one, which a later prompt never continues."""
+        for index in range(first, end):
+            if len(request.prefix_nodes) != index or (index >= request.prefix_pages and not request.aligned):
+                break
+            parent = request.prefix_nodes[-1] if request.prefix_nodes else None
+            tokens = (request.prefix_page_tokens(index) if index < request.prefix_pages
+                      else tuple(self.rows.tokens[request.row, index].tolist()))  # a committed block, whole
+            node = self.cache.insert(parent, tokens, request.pages[index])
+            if node is None:
+                break
+            request.prefix_nodes.append(node)
 
     def _apply(self, request: Request, commit: BlockCommit) -> None:
         """A done block into the request's output and record."""
@@ -283,7 +290,7 @@ class Scheduler:
                     budget -= count
                     add_unit(request, page_index, count, False)
                 request.prefilled_pages = last
-                self._prefilled.append((request, first, last))
+                self._written.append((request, first, last))
                 if last == request.prefix_pages and budget >= size:
                     budget -= size
                     self._start_block(request)  # prefill fused with the first block
@@ -292,8 +299,10 @@ class Scheduler:
                         self.scheduled.append(request)
                     continue
             idle = request.phase is not Phase.DENOISE
-            if request.unwritten_page is not None and not idle:
-                add_unit(request, request.unwritten_page, size, False)
+            if request.unwritten_page is not None:  # written by a unit of its own, or by the idle block unit
+                self._written.append((request, request.unwritten_page, request.unwritten_page + 1))
+                if not idle:
+                    add_unit(request, request.unwritten_page, size, False)
             add_unit(request, request.active_page_index, size, True,
                      scratch=idle and request.unwritten_page is None)
             request.unwritten_page = None

@@ -150,3 +150,28 @@ def test_a_long_random_run_leaks_nothing_and_never_evicts_a_held_page(make_engin
     assert cache.totals.evictions > 100 and cache.totals.pages_hit > 200
     assert all(node.refs == 0 for node in cache.nodes())
     assert engine.pool.num_available == engine.pool.capacity
+
+
+@pytest.mark.parametrize("alignment", ["prompt", "page"])
+def test_a_next_turn_finds_the_blocks_its_first_turn_committed(make_engine, tokenizer, alignment):
+    """A chat's second turn is its first prompt, the first answer and a new message: with
+    blocks aligned to the prompt it finds the answer's whole pages in the cache too; with
+    page alignment only the first prompt's whole pages (the answer started on a fresh page)."""
+    first_prompt = prompts_with_a_shared_prefix(tokenizer, 1)[0]
+    params = SamplingParams(max_tokens=3 * BLOCK, ignore_eos=True)
+
+    def turns(**config):
+        engine = make_engine(max_batch=2, block_alignment=alignment, **config)
+        first = engine.generate([first_prompt], params)[0]
+        second = engine.generate([first_prompt + first.token_ids + [7, 8, 9]], params)[0]
+        assert engine.pool.num_available == engine.pool.capacity
+        return first.token_ids, second.token_ids, second.cached_tokens
+
+    *answers, cached = turns()
+    *plain, not_cached = turns(prefix_cache=False)
+    assert answers == plain and not_cached == 0
+    whole_prompt_pages = len(first_prompt) // BLOCK
+    if alignment == "prompt":
+        assert cached >= BLOCK * (whole_prompt_pages + 2)  # the blocks it committed, bar the last
+    else:
+        assert cached == BLOCK * whole_prompt_pages
