@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -124,16 +124,18 @@ class Request:
             return len(self.prompt_ids) - page_index * self.block_length
         return self.block_length
 
-    def prefix_page_tokens(self, page_index: int) -> tuple[int, ...]:
-        """The tokens on a prefix page (the prefix cache's key of the page)."""
+    @cached_property
+    def prefix_keys(self) -> tuple[tuple[int, ...], ...]:
+        """The tokens on each prefix page: the prefix cache's keys of the pages."""
         size = self.block_length
-        if self.aligned:  # prompt and resumed ids run on without a gap
-            ids, start = self.prompt_ids + list(self.params.resume_ids), page_index * size
-        elif page_index < self.prompt_pages:
-            ids, start = self.prompt_ids, page_index * size
-        else:
-            ids, start = self.params.resume_ids, (page_index - self.prompt_pages) * size
-        return tuple(ids[start:start + self.page_tokens(page_index)])
+
+        def pages(ids: Sequence[int], count: int) -> list[tuple[int, ...]]:
+            return [tuple(ids[i * size:(i + 1) * size]) for i in range(count)]
+
+        if self.aligned:  # prompt and resumed ids run on without a gap, in whole pages
+            return tuple(pages(self.prompt_ids + list(self.params.resume_ids), self.prefix_pages))
+        # the prompt's pages (its last maybe partial), then the resumed blocks'
+        return tuple(pages(self.prompt_ids, self.prompt_pages) + pages(self.params.resume_ids, self.resumed_blocks))
 
     @cached_property
     def suffix_pages(self) -> int:

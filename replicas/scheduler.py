@@ -139,7 +139,7 @@ class Scheduler:
             if len(request.prefix_nodes) != index or (index >= request.prefix_pages and not request.aligned):
                 break
             parent = request.prefix_nodes[-1] if request.prefix_nodes else None
-            tokens = (request.prefix_page_tokens(index) if index < request.prefix_pages
+            tokens = (request.prefix_keys[index] if index < request.prefix_pages
                       else tuple(self.rows.tokens[request.row, index].tolist()))  # a committed block, whole
             node = self.cache.insert(parent, tokens, request.pages[index])
             if node is None:
@@ -230,7 +230,7 @@ class Scheduler:
         """The cached nodes of the request's first prefix pages (none without a cache)."""
         if self.cache is None:
             return []
-        return self.cache.match([request.prefix_page_tokens(i) for i in range(request.prefix_pages)])
+        return self.cache.match(request.prefix_keys)
 
     def _start_block(self, request: Request) -> None:
         if self.full_canvas:
