@@ -359,6 +359,7 @@ def cmd_status(args) -> int:
         # mode once, when it is imported: set it first.
         os.environ["RAY_AUTH_MODE"] = "token"
     from cluster.app import cluster_status
+    from replicas.reports import ReplicaView
 
     status = cluster_status(args.address)
     if args.json:
@@ -372,12 +373,12 @@ def cmd_status(args) -> int:
         print("no Serve application is running")
     print(f"{'replica':<12}{'running':>8}{'waiting':>8}{'free pages':>12}{'step debt':>11}{'drain s':>9}{'row-steps/s':>13}"
           f"{'cached':>8}{'prefix hits':>13}")
-    for replica, view in sorted(status["replicas"].items()):
-        looked_up = view["prefix_pages_looked_up"]
-        hits = f"{view['prefix_pages_hit'] / looked_up:.0%}" if looked_up else "-"
-        print(f"{replica:<12}{view['running']:>8}{view['waiting']:>8}{view['free_pages']:>7}/{view['total_pages']:<4}"
-              f"{view['step_debt']:>11.0f}{view['predicted_drain_s']:>9.2f}{view['row_steps_per_s']:>13.0f}"
-              f"{view['cached_pages']:>8}{hits:>13}")
+    for replica, raw in sorted(status["replicas"].items()):
+        view = ReplicaView.model_validate(raw)
+        hits = f"{view.prefix_hit_rate:.0%}" if view.prefix_pages_looked_up else "-"
+        print(f"{replica:<12}{view.running:>8}{view.waiting:>8}{view.free_pages:>7}/{view.total_pages:<4}"
+              f"{view.step_debt:>11.0f}{view.predicted_drain_s:>9.2f}{view.row_steps_per_s:>13.0f}"
+              f"{view.cached_pages:>8}{hits:>13}")
     return 0
 
 

@@ -131,9 +131,8 @@ class EngineReplica:
 
     def _refresh_gauges(self) -> None:
         scheduler, pool, cache = self.engine.scheduler, self.engine.pool, self.engine.pool.cache
-        unreferenced = cache.num_unreferenced if cache else 0
         self.monitor.set_gauges(waiting=len(scheduler.waiting), running=len(scheduler.running),
-                                free_pages=pool.num_free + unreferenced, total_pages=pool.capacity)
+                                free_pages=pool.num_unheld, total_pages=pool.capacity)
         if cache is not None:
             totals = cache.totals
             self.monitor.set_gauges(cached_pages=cache.num_pages, prefix_pages_looked_up=totals.pages_looked_up,

@@ -38,10 +38,14 @@ class PagePool:
         return len(self._free)
 
     @property
+    def num_unheld(self) -> int:
+        """Pages no request holds: free, or cached and unreferenced."""
+        return len(self._free) + (self.cache.num_unreferenced if self.cache is not None else 0)
+
+    @property
     def num_available(self) -> int:
-        """Free (or evictable cached) pages not promised to an admitted request."""
-        evictable = self.cache.num_unreferenced if self.cache is not None else 0
-        return len(self._free) + evictable - self._reserved
+        """Unheld pages not promised to an admitted request."""
+        return self.num_unheld - self._reserved
 
     def reserve(self, count: int) -> bool:
         if count > self.num_available:

@@ -12,9 +12,9 @@ taken from the reservation one block at a time and all returned on release. With
 prefix cache (``PagePool.cache``) a request starts with the cached pages of its prefix
 (held, never taken from its reservation) and prefills from the first page not cached;
 the prefix pages it computes, and its committed blocks, are cached once a step has
-written their final KV (a chat's next turn finds its history where blocks are aligned). With the
-full canvas (``full_canvas``) every block's page is taken and masked at admission, since
-every position attends to all of them from the first step. A
+written their final KV (a chat's next turn finds its history where blocks are aligned).
+With the full canvas (``full_canvas``) every block's page is taken and masked at
+admission, since every position attends to all of them from the first step. A
 continuation (``SamplingParams.resume_ids``) takes its resumed blocks' pages at admission
 and prefills them after its prompt. A request whose blocks are aligned to the sequence's
 start (``Request.aligned``) prefills the whole pages of prompt + resumed output, and its

@@ -38,7 +38,7 @@ def random_sdar(hidden: int = 512, layers: int = 8, heads: int = 8, vocab: int =
     return net
 
 
-def shared_prefix_prompts(count: int, prefix_len: int, tail_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def prefix_and_tails(count: int, prefix_len: int, tail_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """``count`` prompts: one shared prefix, then each its own tail (ids clear of the last
     two, the mask and EOS)."""
     rng = random.Random(seed)
@@ -79,7 +79,7 @@ def run_once(net, prompts: list[list[int]], cache: bool, max_batch: int, max_tok
 def bench_prefix(requests: int = 16, prefix_len: int = 1024, tail_len: int = 64, max_tokens: int = 128,
                  max_batch: int = 8, steps: int = 8, rounds: int = 2, **shape) -> dict:
     net = random_sdar(**shape)
-    prompts = shared_prefix_prompts(requests, prefix_len, tail_len, net.spec.vocab_size)
+    prompts = prefix_and_tails(requests, prefix_len, tail_len, net.spec.vocab_size)
     report = {"parameters": sum(p.numel() for p in net.parameters()), "requests": requests,
               "prefix_len": prefix_len, "tail_len": tail_len, "max_tokens": max_tokens, "max_batch": max_batch,
               "block_length": net.spec.block_length, "steps_per_block": steps, "rounds": rounds}

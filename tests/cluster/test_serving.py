@@ -207,7 +207,11 @@ def test_64_concurrent_requests_on_two_replicas_match_offline_accuracy(cluster):
     responses = asyncio.run(post_all(cluster.base_url, bodies, concurrency=64, retries=10))
     assert [r.status_code for r in responses] == [200] * len(bodies)
     payloads = [r.json() for r in responses]
-    assert {p["dllm"]["replica"] for p in payloads} == set(json.loads(_status_json(cluster))["replicas"])
+    replicas = set(json.loads(_status(cluster, "--json"))["replicas"])
+    assert {p["dllm"]["replica"] for p in payloads} == replicas
+    table = _status(cluster)  # the table a person reads: one row per replica, its prefix cache included
+    assert "prefix hits" in table and all(re.search(rf"^{r}\s+\d+\s+\d+\s+\d+/\d+.*\d+\s+(\d+%|-)$", table, re.M)
+                                          for r in replicas)
     assert len({p["dllm"]["replica"] for p in payloads}) == 2
     http_outputs = [GenerateChunk(p["choices"][0]["text"]) for p in payloads]
     http_accuracy = score(requests, http_outputs)["request_accuracy"]
@@ -216,10 +220,10 @@ def test_64_concurrent_requests_on_two_replicas_match_offline_accuracy(cluster):
     assert abs(http_accuracy - offline_accuracy) <= 0.01
 
 
-def _status_json(cluster) -> str:
-    """`dllm-serve status --json` of ``cluster`` (at the Ray address its `up` printed: other
+def _status(cluster, *flags: str) -> str:
+    """`dllm-serve status` of ``cluster`` (at the Ray address its `up` printed: other
     clusters of the suite run on this machine too)."""
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--json", "--address", cluster.ray_address],
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "status", *flags, "--address", cluster.ray_address],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout

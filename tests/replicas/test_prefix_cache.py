@@ -175,3 +175,14 @@ def test_a_next_turn_finds_the_blocks_its_first_turn_committed(make_engine, toke
         assert cached >= BLOCK * (whole_prompt_pages + 2)  # the blocks it committed, bar the last
     else:
         assert cached == BLOCK * whole_prompt_pages
+
+
+def test_bench_prefix_reports_both_settings_side_by_side():
+    from loadgen.bench.prefix import bench_prefix
+
+    report = bench_prefix(requests=3, prefix_len=96, tail_len=8, max_tokens=32, max_batch=2, steps=2, rounds=2,
+                          hidden=64, layers=1, heads=2, vocab=512)
+    on, off = report["cache_on"], report["cache_off"]
+    assert off["hit_rate"] == 0 and on["hit_rate"] >= 0.5  # the warm request cached the prefix's 3 pages
+    assert all(run["tokens_per_s"] > 0 and run["ttfb_p50_s"] > 0 for run in (on, off))
+    assert report["throughput_on_over_off"] > 0 and report["ttfb_p50_on_over_off"] > 0 and report["rounds"] == 2
