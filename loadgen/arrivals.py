@@ -54,6 +54,26 @@ def shared_prefix_prompts(n: int, seed: int, shared: int = 4, groups: int = 1) -
 
 
 WORKLOADS = {"tiny": tiny_prompts, "shared-prefix": shared_prefix_prompts}
+CHAT_WORKLOAD = "chat"  # arrivals, not prompts: see ``chat_arrivals``
+
+
+def chat_arrivals(times: list[float], seed: int, turns: int = 3, open_chats: int = 8) -> list[Arrival]:
+    """Multi-turn chats for the prefix cache (seeded): each prompt holds the chat so far
+    (the earlier turns' messages and answers) and a new message. The arrivals are dealt
+    to ``open_chats`` chats at a time, one turn each in turn, so a chat's next turn comes
+    ``open_chats`` arrivals after its previous one (``Arrival.after``), and a chat ends
+    after ``turns`` turns. A first message is a tiny-task prompt, a later one a new
+    puzzle's 16 cells (with the tiny model's 512 positions, 3 turns fit)."""
+    from replicas.tiny import task
+
+    firsts = tiny_prompts(len(times), seed)
+    news = task.make_requests(len(times), seed + 1_000_003)
+    arrivals = []
+    for i, time_s in enumerate(times):
+        turn = i % (turns * open_chats) // open_chats
+        arrivals.append(Arrival(time_s, news[i].puzzles[0], after=i - open_chats) if turn
+                        else Arrival(time_s, firsts[i]))
+    return arrivals
 
 
 def with_prompts(times: list[float], prompts: list[str]) -> list[Arrival]:

@@ -12,7 +12,8 @@ from functools import partial
 from pathlib import Path
 
 from loadgen import client
-from loadgen.arrivals import MAX_REQUESTS, WORKLOADS, load_trace, poisson_times, with_prompts
+from loadgen.arrivals import (CHAT_WORKLOAD, MAX_REQUESTS, WORKLOADS, chat_arrivals, load_trace, poisson_times,
+                              with_prompts)
 from loadgen.records import Arrival, LoadgenError, Record
 from loadgen.report import format_summary, format_sweep
 from loadgen.loops import Progress, run_open_loop
@@ -132,12 +133,19 @@ def add_loadgen_parser(commands) -> argparse.ArgumentParser:
                       help="use /v1/chat/completions (one user message) instead of /v1/completions")
     body.add_argument("--prompt", metavar="TEXT",
                       help="send this prompt every time (default: seeded prompts of the --workload)")
-    body.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
+    body.add_argument("--workload", choices=sorted([*WORKLOADS, CHAT_WORKLOAD]), default="tiny",
                       help="the prompts: 'tiny', the tiny model's task drawn like its held-out set; 'shared-prefix', "
                            "the same 4 puzzles first in every prompt (a shared system prompt), then 1 or 2 of "
-                           "the request's own: the report gives the prefix cache's hit rate (default tiny)")
+                           "the request's own; 'chat', multi-turn chats whose every turn sends the chat so far "
+                           "(earlier messages and answers) and a new message, sent once the previous turn "
+                           "has ended. The report gives the prefix cache's hit rate (default tiny)")
     body.add_argument("--prefix-groups", type=positive_number(int), default=1, metavar="N",
                       help="shared-prefix: N different shared beginnings, taken in turn (default 1)")
+    body.add_argument("--turns", type=positive_number(int), default=3, metavar="N",
+                      help="chat: turns per chat (default 3, what fits the tiny model's 512 positions)")
+    body.add_argument("--open-chats", type=positive_number(int), default=8, metavar="N",
+                      help="chat: chats open at a time; a chat's next turn comes N arrivals after its "
+                           "previous one (default 8)")
     body.add_argument("--algorithm", help="dLLM extension: the denoise algorithm of every request "
                                           "(e.g. low_confidence, fast_dllm_threshold)")
     body.add_argument("--extra", type=_json_object, metavar="JSON", default={},
@@ -174,6 +182,9 @@ def _plan(args) -> list[tuple[float | None, list[Arrival]]]:
         times = poisson_times(rate, args.seed, args.duration, args.requests, args.max_requests)
         if len(times) == args.max_requests and (args.requests is None or args.requests > args.max_requests):
             print(f"note: capped at --max-requests {args.max_requests}", file=sys.stderr)
+        if args.workload == CHAT_WORKLOAD and not args.prompt:
+            plan.append((rate, chat_arrivals(times, args.seed, args.turns, args.open_chats)))
+            continue
         prompts = [args.prompt] if args.prompt else WORKLOADS[args.workload](len(times), args.seed,
                                                                             **_workload_options(args))
         plan.append((rate, with_prompts(times, prompts)))

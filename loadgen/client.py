@@ -39,9 +39,10 @@ class Endpoint:
         body = {"model": self.model, "max_tokens": arrival.max_tokens or self.max_tokens, "stream": self.stream,
                 **({"stream_options": {"include_usage": True}} if self.stream else {}), **self.extra}
         if self.chat:
-            body["messages"] = [{"role": "user", "content": arrival.prompt}]
+            said = (*arrival.history, arrival.prompt)
+            body["messages"] = [{"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(said)]
         else:
-            body["prompt"] = arrival.prompt
+            body["prompt"] = arrival.text
         return body
 
 
@@ -144,10 +145,11 @@ async def sse_data(lines: AsyncIterable[str]) -> AsyncIterator[str]:
 
 
 def chunk_text(event: dict) -> str:
-    """The text a completion or chat-completion chunk carries ('' for none)."""
+    """The text of the first choice of a completion or chat completion, a chunk or a whole
+    answer ('' for none)."""
     choices = event.get("choices") or [{}]
     choice = choices[0]
-    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or (choice.get("delta") or choice.get("message") or {}).get("content") or ""
 
 
 def _retry_after(reply: Reply) -> float | None:
@@ -176,6 +178,7 @@ async def _read_stream(response: aiohttp.ClientResponse, record: Record, sent: f
         text = chunk_text(event)
         if text and record.ttfb_s is None:
             record.ttfb_s = loop.time() - sent
+        record.text += text
         characters += len("".join(text.split()))
         if event.get("usage"):
             usage_tokens = event["usage"].get("completion_tokens")
@@ -217,7 +220,7 @@ def _read_reply(reply: Reply, record: Record, latency_s: float) -> None:
     except (ValueError, KeyError, TypeError, AttributeError):
         record.error = f"malformed answer: {reply.text[:120]!r}"
         return
-    record.status, record.ttfb_s = OK, latency_s
+    record.status, record.ttfb_s, record.text = OK, latency_s, chunk_text(body)
     record.output_tokens, record.tokens_from = tokens, "usage"
     _read_prompt_usage(body["usage"], record)
     record.steps, record.replica, record.engine_s = dllm.get("steps"), dllm.get("replica"), dllm.get("engine_s")

@@ -10,6 +10,7 @@ import sys
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import TextIO
 
 from loadgen.records import OK, REFUSED, Arrival, Record
@@ -78,11 +79,21 @@ async def _shown(progress: Progress | None, start: float) -> AsyncIterator[None]
 
 async def run_open_loop(arrivals: list[Arrival], send: Send, progress: Progress | None = None) -> list[Record]:
     """Send each arrival at ``start + arrival.time_s`` on the loop clock (absolute, so no drift
-    accumulates) as its own task, then wait for all of them; records come back in arrival order."""
+    accumulates) as its own task, then wait for all of them; records come back in arrival order.
+
+    A chat's later turn (``arrival.after``) is sent at its time or when its previous turn has
+    ended, whichever is later, with that turn's messages and answer before its own (an
+    answer that failed is sent back empty, as a user would carry on)."""
     loop = asyncio.get_running_loop()
     start = loop.time()
+    sent: dict[int, Arrival] = {}  # as sent: a chat's turns with their history
 
     async def tracked(index: int, arrival: Arrival) -> Record:
+        if arrival.after is not None:
+            answer = await tasks[arrival.after]
+            previous = sent[arrival.after]
+            arrival = replace(arrival, history=(*previous.history, previous.prompt, answer.text))
+        sent[index] = arrival
         if progress:
             progress.on_sent(loop.time() - start)
         record = await send(index, arrival, start)

@@ -16,8 +16,15 @@ class Arrival:
     """One planned request: when to send it (seconds from the start) and what to ask."""
 
     time_s: float
-    prompt: str
+    prompt: str  # a chat's later turn: its new message only
     max_tokens: int | None = None  # None: the run's --max-tokens
+    after: int | None = None  # a chat's later turn: the index of its previous turn (see ``loops``)
+    history: tuple[str, ...] = ()  # the chat's earlier messages, user and assistant in turn
+
+    @property
+    def text(self) -> str:
+        """What a completion request sends: the chat's earlier messages, then the prompt."""
+        return "".join(self.history) + self.prompt
 
 
 @dataclass
@@ -48,6 +55,7 @@ class Record:
     engine_s: float | None = None  # the server's time in its engine (dllm-serve reports it)
     retry_after_s: float | None = None
     error: str | None = None
+    text: str = ""  # the answer (a chat's next turn sends it back)
 
     @property
     def end_s(self) -> float | None:

@@ -80,6 +80,13 @@ class Request:
         return len(self.prompt_ids) + len(self.params.resume_ids)
 
     @cached_property
+    def answer_continues_prompt(self) -> bool:
+        """Whether the answer's blocks sit right after the prompt's tokens in the sequence
+        (aligned blocks, or a prompt of whole pages), so that a later prompt repeating this
+        prompt and answer continues its pages (the prefix cache keeps committed blocks)."""
+        return self.aligned or len(self.prompt_ids) % self.block_length == 0
+
+    @cached_property
     def head(self) -> int:
         """Prompt (or resumed) tokens at the start of the first denoised block (aligned only)."""
         return aligned_head(self.fixed_tokens, self.block_length, self.aligned)

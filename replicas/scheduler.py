@@ -131,12 +131,13 @@ class Scheduler:
 
     def _cache_pages(self, request: Request, first: int, end: int) -> None:
         """Cache the request's pages ``first`` to ``end`` (their final KV written: prompt
-        pages, and with aligned blocks committed ones), each under its page before; a
-        request's chain stops at a gap or at a page cached already (by another request
-        meanwhile: its copy stays its own). Unaligned, an answer starts on a page of its
-        own after the prompt's partial one, which a later prompt never continues."""
+        pages, and committed ones where the answer continues the prompt), each under its
+        page before; a request's chain stops at a gap or at a page cached already (by
+        another request meanwhile: its copy stays its own). Unaligned after a partial page,
+        an answer starts on a page of its own, which a later prompt never continues."""
         for index in range(first, end):
-            if len(request.prefix_nodes) != index or (index >= request.prefix_pages and not request.aligned):
+            if len(request.prefix_nodes) != index or (index >= request.prefix_pages
+                                                      and not request.answer_continues_prompt):
                 break
             parent = request.prefix_nodes[-1] if request.prefix_nodes else None
             tokens = (request.prefix_keys[index] if index < request.prefix_pages

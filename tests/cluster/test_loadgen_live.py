@@ -111,3 +111,21 @@ def test_bench_calibration_prints_both_sides(tiny_cluster, request):
     for name, key in (("sim", "holds"), ("replay", "replay_holds")):
         assert result[key] == all(abs(row[f"{name}_over_live_p{q}"] - 1) <= 0.2 for row in result["rows"]
                                   for q in (50, 99))
+
+
+def test_a_chats_later_turns_find_their_history_in_the_prefix_cache(one_replica):
+    """`--workload chat`: each later turn sends its chat so far, whose prompt and answer pages
+    the replica cached when the previous turn ran (the tiny prompt is 7 whole pages)."""
+    times = poisson_times(RATE, SEED, count=18)
+    run = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "loadgen", "--url", one_replica.base_url, "--workload", "chat",
+         "--turns", "3", "--open-chats", "3", "--rate", str(RATE), "--requests", str(len(times)),
+         "--seed", str(SEED), "--timeout", "60", "--json", "--records", "--quiet"], capture_output=True, timeout=150)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    report = json.loads(run.stdout)
+    records = report["records"]
+    assert report["completed"] == len(records) == 18, report["top_errors"]
+    later = [r for r in records if r["index"] % 9 >= 3]  # chats of 3 turns, 3 at a time
+    assert all(r["cached_tokens"] >= 112 for r in later), [r["cached_tokens"] for r in later]
+    assert all(r["prompt_tokens"] > 112 for r in later)  # the chat so far, and a new message
+    assert report["prefix_hit_rate"] > 0.4

@@ -5,7 +5,8 @@ import statistics
 
 import pytest
 
-from loadgen.arrivals import load_trace, poisson_times, shared_prefix_prompts, tiny_prompts, with_prompts
+from loadgen.arrivals import (chat_arrivals, load_trace, poisson_times, shared_prefix_prompts, tiny_prompts,
+                              with_prompts)
 from loadgen.records import LoadgenError
 
 
@@ -56,6 +57,17 @@ def test_shared_prefix_prompts_begin_alike_and_end_their_own_way():
     assert 10 <= alone < 20 and all(c[96:] == "-" * 16 for c in cells)
     grouped = ["".join(p.split())[:64] for p in shared_prefix_prompts(20, seed=0, groups=3)]
     assert grouped[0] == cells[0][:64] and len(set(grouped)) == 3 and grouped[:3] == grouped[3:6]
+
+
+def test_chat_arrivals_deal_turns_to_open_chats():
+    times = [0.1 * i for i in range(20)]
+    arrivals = chat_arrivals(times, seed=0, turns=3, open_chats=4)
+    assert arrivals == chat_arrivals(times, seed=0, turns=3, open_chats=4) and [a.time_s for a in arrivals] == times
+    firsts = [i for i, a in enumerate(arrivals) if a.after is None]
+    assert firsts == [0, 1, 2, 3, 12, 13, 14, 15]  # 4 chats of 3 turns, then 4 more
+    assert all(arrivals[i].after == i - 4 for i in range(20) if i not in firsts)
+    assert all(len("".join(arrivals[i].prompt.split())) == 112 for i in firsts)  # a tiny-task prompt
+    assert all(len(arrivals[i].prompt) == 16 for i in range(20) if i not in firsts)  # a new puzzle
 
 
 def write(tmp_path, lines):

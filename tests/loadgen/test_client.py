@@ -56,6 +56,7 @@ def test_chunk_text_of_completions_and_chat():
     assert chunk_text({"choices": [{"text": "12"}]}) == "12"
     assert chunk_text({"choices": [{"delta": {"role": "assistant", "content": "34"}}]}) == "34"
     assert chunk_text({"choices": [], "usage": {}}) == ""
+    assert chunk_text({"choices": [{"message": {"role": "assistant", "content": "56"}}]}) == "56"
 
 
 def test_ok_stream_with_usage():
@@ -73,6 +74,7 @@ def test_ok_stream_with_usage():
     assert (record.output_tokens, record.tokens_from, record.steps, record.replica) == (12, "usage", 9, "r1")
     assert (record.prompt_tokens, record.cached_tokens) == (7, 5)
     assert 0 < record.ttfb_s <= record.latency_s and record.index == 3
+    assert record.text == "1234 12344321"
 
 
 def test_a_whole_answer_when_not_streamed():
@@ -88,7 +90,7 @@ def test_a_whole_answer_when_not_streamed():
     assert (record.status, record.output_tokens, record.tokens_from, record.steps, record.replica,
             record.engine_s) == (OK, 4, "usage", 5, "r2", 0.25)
     assert (record.prompt_tokens, record.cached_tokens) == (None, None)  # a server that does not say
-    assert record.ttfb_s == pytest.approx(record.latency_s, abs=0.05)
+    assert record.ttfb_s == pytest.approx(record.latency_s, abs=0.05) and record.text == "1234"
     record = run_send(lambda r: httpx.Response(200, content=b"not json"),
                       Endpoint(url="", model="tiny", stream=False))
     assert record.status == ERROR and record.error.startswith("malformed answer")
@@ -111,6 +113,27 @@ def test_chat_body_and_extra_fields():
     assert seen["path"] == "/v1/chat/completions" and seen["body"]["algorithm"] == "fixed_steps"
     assert seen["body"]["messages"] == [{"role": "user", "content": ARRIVAL.prompt}] and "prompt" not in seen["body"]
     assert record.status == OK and record.ttfb_s is not None
+
+
+def test_a_chats_later_turn_sends_the_chat_so_far():
+    seen = []
+
+    def handler(request):
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, content=sse(chunk("9"), b"[DONE]"))
+
+    later = Arrival(0.0, "new", history=("first", "answer"))
+    with stand_in(handler) as url:
+        for chat in (False, True):
+            endpoint = Endpoint(url=url, model="tiny", chat=chat)
+
+            async def main():
+                async with make_client(endpoint) as client:
+                    return await send(client, endpoint, 0, later, asyncio.get_running_loop().time())
+            assert asyncio.run(main()).status == OK
+    assert seen[0]["prompt"] == "firstanswernew"
+    assert seen[1]["messages"] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "answer"},
+                                   {"role": "user", "content": "new"}]
 
 
 def test_429_is_refused_with_retry_after():

@@ -47,3 +47,21 @@ def test_progress_line_counts_and_rate():
     line = progress.line(3.0)
     assert line.startswith("rate 5/s ") and "sent 4/10  completed 1  refused 1  errors 0  in flight 2" in line
     assert line.endswith("rate 1.0/s")  # two sends in the last 2 s
+
+
+def test_a_chats_next_turn_waits_for_its_previous_answer_and_carries_the_chat():
+    arrivals = [Arrival(0.0, "a"), Arrival(0.01, "b"), Arrival(0.02, "c", after=0), Arrival(0.03, "d", after=2)]
+    sent = {}
+
+    async def send(index, arrival, start):
+        loop = asyncio.get_running_loop()
+        sent[index] = (loop.time() - start, arrival)
+        await asyncio.sleep(0.3 if index == 0 else 0.05)  # the first turn takes long
+        return Record(index=index, planned_s=arrival.time_s, sent_s=sent[index][0], status=OK,
+                      latency_s=loop.time() - start - sent[index][0], text=f"<{arrival.prompt}>")
+
+    records = asyncio.run(run_open_loop(arrivals, send))
+    assert [r.index for r in records] == [0, 1, 2, 3]
+    assert sent[1][0] < 0.2 and sent[2][0] >= records[0].end_s  # b on time; c after a's answer
+    assert sent[2][1].history == ("a", "<a>") and sent[2][1].text == "a<a>c"
+    assert sent[3][1].history == ("a", "<a>", "c", "<c>") and sent[3][0] >= records[2].end_s

@@ -152,12 +152,16 @@ def test_a_long_random_run_leaks_nothing_and_never_evicts_a_held_page(make_engin
     assert engine.pool.num_available == engine.pool.capacity
 
 
-@pytest.mark.parametrize("alignment", ["prompt", "page"])
-def test_a_next_turn_finds_the_blocks_its_first_turn_committed(make_engine, tokenizer, alignment):
+@pytest.mark.parametrize("alignment, whole_pages", [("prompt", False), ("page", False), ("page", True)])
+def test_a_next_turn_finds_the_blocks_its_first_turn_committed(make_engine, tokenizer, alignment, whole_pages):
     """A chat's second turn is its first prompt, the first answer and a new message: with
-    blocks aligned to the prompt it finds the answer's whole pages in the cache too; with
-    page alignment only the first prompt's whole pages (the answer started on a fresh page)."""
+    blocks aligned to the prompt it finds the answer's whole pages in the cache too, and so
+    with page alignment after a prompt of whole pages (the answer continues it); after a
+    partial page only the first prompt's whole pages (the answer started on a fresh page)."""
     first_prompt = prompts_with_a_shared_prefix(tokenizer, 1)[0]
+    assert len(first_prompt) % BLOCK
+    if whole_pages:
+        first_prompt = first_prompt[:len(first_prompt) // BLOCK * BLOCK]
     params = SamplingParams(max_tokens=3 * BLOCK, ignore_eos=True)
 
     def turns(**config):
@@ -171,7 +175,7 @@ def test_a_next_turn_finds_the_blocks_its_first_turn_committed(make_engine, toke
     *plain, not_cached = turns(prefix_cache=False)
     assert answers == plain and not_cached == 0
     whole_prompt_pages = len(first_prompt) // BLOCK
-    if alignment == "prompt":
+    if alignment == "prompt" or whole_pages:
         assert cached >= BLOCK * (whole_prompt_pages + 2)  # the blocks it committed, bar the last
     else:
         assert cached == BLOCK * whole_prompt_pages
