@@ -174,6 +174,8 @@ def cmd_bench(args) -> int:
 
         result = bench_prefix(args.requests, args.prefix_len, args.tail_len, args.max_tokens, args.max_batch,
                               args.steps, args.rounds, hidden=args.hidden, layers=args.layers, heads=args.heads)
+    elif args.target == "quality":
+        return _bench_quality(args)
     elif args.target == "canvas":
         from loadgen.bench.canvas import bench_canvas
 
@@ -186,6 +188,22 @@ def cmd_bench(args) -> int:
                                 max_batch=args.max_batch, slo_latency_s=args.slo_latency, seed=args.seed,
                                 fill_timeout_s=args.fill_timeout)
     print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def _bench_quality(args) -> int:
+    from loadgen.bench.quality import (bench_quality, bench_quality_random, format_quality, plot_quality,
+                                       sweep)
+
+    settings = sweep(tuple(args.thresholds), tuple(args.factors))
+    if args.random:
+        result = bench_quality_random(args.random, settings=settings)
+    else:
+        result = bench_quality(args.model, num_requests=args.requests, max_batch=args.max_batch,
+                               rounds=args.rounds, workload=args.workload, settings=settings)
+        if args.plot:
+            plot_quality(result, args.plot)
+    print(json.dumps(result) if args.json else format_quality(result))
     return 0
 
 
@@ -498,7 +516,9 @@ def _add_engine_commands(commands) -> None:
 
 
 def _add_engine_benches(targets) -> None:
-    """bench engine, policies, canvas and prefix: benchmarks of the engine itself."""
+    """bench engine, policies, quality, canvas and prefix: benchmarks of the engine itself."""
+    from loadgen.bench.quality import FACTORS, THRESHOLDS
+
     engine = targets.add_parser("engine", help="fdfo vs sync vs static tokens/s on one closed workload")
     engine.add_argument("--requests", type=int, default=256, help="requests (default 256)")
     engine.add_argument("--rounds", type=int, default=3,
@@ -521,6 +541,30 @@ def _add_engine_benches(targets) -> None:
         target.add_argument("--max-batch", type=int, default=16)
         target.add_argument("--json", action="store_true", help="one JSON object on one line")
         target.set_defaults(func=cmd_bench)
+
+    quality = targets.add_parser(
+        "quality", help="accuracy, tokens per forward and tokens/s as the confidence bar is lowered",
+        description="Sweeps low_confidence's threshold and fast_dllm_factor's factor on the trained tiny model: "
+                    "per setting, request accuracy, tokens per row-forward, steps per block and tokens/s, the "
+                    "settings run in turn for --rounds rounds (tokens/s and its ratio to the default setting, "
+                    "low_confidence threshold=0.95, are medians over the rounds). --random sweeps random weights "
+                    "instead, where only tokens per forward mean anything.")
+    quality.add_argument("--requests", type=int, default=400, help="requests (default 400: the whole held-out set)")
+    quality.add_argument("--workload", choices=["heldout", "hard"], default="heldout",
+                         help="heldout: the tiny model's held-out set; hard: 8 to 12 blanks a puzzle")
+    quality.add_argument("--rounds", type=int, default=3, help="rounds of every setting (default 3)")
+    quality.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS),
+                         help=f"low_confidence thresholds (default {' '.join(map(str, THRESHOLDS))})")
+    quality.add_argument("--factors", type=float, nargs="+", default=list(FACTORS),
+                         help=f"fast_dllm_factor factors (default {' '.join(map(str, FACTORS))})")
+    quality.add_argument("--random", choices=["sdar", "llada"],
+                         help="random weights of this architecture (42M-class SDAR, 1B-class LLaDA): tokens per "
+                              "forward only")
+    quality.add_argument("--plot", metavar="OUT.png", help="accuracy against tokens per forward (tiny model)")
+    quality.add_argument("--model", default="tiny")
+    quality.add_argument("--max-batch", type=int, default=16)
+    quality.add_argument("--json", action="store_true", help="one JSON object on one line")
+    quality.set_defaults(func=cmd_bench)
 
     canvas = targets.add_parser(
         "canvas", help="full canvas (dual cache) vs block canvas tokens/s on a random 1B-class LLaDA")
