@@ -6,9 +6,11 @@ A replica's predicted drain time is its step debt divided by its drain rate at f
 Serve collects every ``stats_period_s``. Between two collections the router adds the
 cost of what it routed itself, so a burst does not all land on the replica that looked
 idlest at the last collection. Replicas whose stats are missing or stale come next, where
-Serve picks the shortest queue; last come the replicas whose engine steps are failing
-(from their stats) or that just failed a request in this process (``avoid``, told by
-``cluster.failover``), so a resumed request goes elsewhere while another replica can take it.
+Serve picks the shortest queue. The replicas whose engine steps are failing (from their
+stats) or that just failed a request in this process (``avoid``, told by
+``cluster.failover``) are offered only when no other replica is up: a request, a resumed
+one above all, waits for room on a healthy replica rather than spill onto one that fails
+it at once (and so always has room).
 
 Prefix affinity: the router remembers which replica it last sent each prompt page
 (``GenerateRequest.prefix_hashes``, bounded, least recently used first out); a request
@@ -83,6 +85,14 @@ def affinity_first(fresh: list[tuple[float, str, T]], holder: str | None, slack_
     return [replica for _, _, replica in ranked]
 
 
+def ranks_for_serve(ranked: list[T], stale: list[T], failing: list[T]) -> list[list[T]]:
+    """Serve's ranks (it tries each in turn, and waits and asks again when all are full):
+    each ``ranked`` replica on its own, then the ``stale`` ones together; the ``failing``
+    ones only when there is no other."""
+    ranks = [[replica] for replica in ranked] + ([stale] if stale else [])
+    return ranks or ([failing] if failing else [])
+
+
 class DrainTimeRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, stale_after_s: float = MIN_STALE_S, prefix_affinity_s: float = 0.0, **kwargs) -> None:
         self.stale_after_s = stale_after_s
@@ -121,8 +131,7 @@ class DrainTimeRouter(FIFOMixin, RequestRouter):
         holder = self.prefixes.holder(_prefix_hashes(pending_request))
         ranked = affinity_first([(drain, replica.replica_id.unique_id, replica) for drain, replica in fresh],
                                 holder, self.prefix_affinity_s)
-        ranks = [[replica] for replica in ranked]
-        return [rank for rank in (*ranks, [replica for _, replica in stale], failing) if rank]
+        return ranks_for_serve(ranked, [replica for _, replica in stale], failing)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         self.prefixes.record(_prefix_hashes(pending_request), replica_id.unique_id)

@@ -4,7 +4,7 @@ time lets the request follow it."""
 import subprocess
 import sys
 
-from cluster.router import PrefixMemory, affinity_first
+from cluster.router import PrefixMemory, affinity_first, ranks_for_serve
 from replicas.prefix_cache import page_hashes
 
 
@@ -36,3 +36,10 @@ def test_the_holder_goes_first_unless_it_drains_too_late():
     assert affinity_first(fresh, "r1", 0.8) == ["two", "three", "one"]  # 2.0 s: too late
     assert affinity_first(fresh, "r3", 0.0) == ["two", "three", "one"]
     assert affinity_first(fresh, "gone", 9.0) == ["two", "three", "one"]
+
+
+def test_a_failing_replica_is_offered_only_when_no_other_is_up():
+    assert ranks_for_serve(["a", "b"], ["s"], ["f"]) == [["a"], ["b"], ["s"]]
+    assert ranks_for_serve([], ["s1", "s2"], ["f"]) == [["s1", "s2"]]
+    assert ranks_for_serve([], [], ["f1", "f2"]) == [["f1", "f2"]]  # rather than nowhere
+    assert ranks_for_serve([], [], []) == []
