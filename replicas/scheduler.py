@@ -201,6 +201,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch and self.rows.num_free:
             request = self.waiting[0]
             cached = self._cached_prefix(request)
+            if self.policy.admits_every_step and self._being_prefilled(request, cached):
+                break  # FIFO: the head waits a few steps for the pages it would compute twice
             need = request.prefix_pages - len(cached) + request.blocks_to_denoise + request.suffix_pages
             pinned = sum(node.refs == 0 for node in cached)  # evictable until this request holds them
             if need + pinned > self.pool.num_available:
@@ -232,6 +234,20 @@ class Scheduler:
         if self.cache is None:
             return []
         return self.cache.match(request.prefix_keys)
+
+    def _being_prefilled(self, request: Request, cached: list) -> bool:
+        """Whether a running request is prefilling the first page of ``request``'s prefix
+        that is not cached, under the same cached pages: it caches that page once written,
+        so ``request`` finds it then instead of computing it too (a burst of requests with
+        one new system prompt prefills it once)."""
+        depth = len(cached)
+        if self.cache is None or depth >= request.prefix_pages:
+            return False
+        parent = cached[-1] if cached else None
+        return any(other.phase is Phase.PREFILL and len(other.prefix_nodes) == depth < other.prefix_pages
+                   and (other.prefix_nodes[-1] if depth else None) is parent
+                   and other.prefix_keys[depth] == request.prefix_keys[depth]
+                   for other in self.running)
 
     def _start_block(self, request: Request) -> None:
         if self.full_canvas:
