@@ -130,7 +130,8 @@ def add_loadgen_parser(commands) -> argparse.ArgumentParser:
     add_endpoint_options(body, max_tokens_help=", room for the tiny task's longest answer; a trace line's "
                                                "max_tokens wins")
     body.add_argument("--chat", action="store_true",
-                      help="use /v1/chat/completions (one user message) instead of /v1/completions")
+                      help="use /v1/chat/completions (the prompt as one user message; with --workload chat, the "
+                           "chat's user and assistant messages) instead of /v1/completions")
     body.add_argument("--prompt", metavar="TEXT",
                       help="send this prompt every time (default: seeded prompts of the --workload)")
     body.add_argument("--workload", choices=sorted([*WORKLOADS, CHAT_WORKLOAD]), default="tiny",
