@@ -1,0 +1,75 @@
+"""Where a step reads tensors back to Python (``.item()``, ``.tolist()``, ``.cpu()``,
+``bool()``, ``int()`` ...): on CUDA each read of a device tensor waits for the GPU, so a
+step should read as little as it can. Counted on CPU through the patched tensor API,
+while the engine steps a batch of 16; a new place that reads, or a place that reads more
+often than it does today, fails the test (and says where).
+
+Today a step reads at the 12 places below once each, and once per committed block (its
+ids) and per page it caches; the goal (issue 26) is one read a step, the committed
+tokens'. Reads of host-resident tensors (the row buffer, the batch's layout) count too:
+this test cannot tell them from device reads."""
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from loadgen.bench.evaluation import tiny_params
+from replicas.engine import Engine, EngineConfig
+from replicas.tiny import task
+
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+ONCE_A_STEP = {
+    ("replicas/engine.py", "_step"), ("replicas/engine.py", "_denoise_and_commit"),
+    ("replicas/scheduled_batch.py", "num_tokens"), ("replicas/scheduled_batch.py", "prefix_units"),
+    ("replicas/runner.py", "build_inputs"), ("replicas/runner.py", "forward"),
+    ("replicas/attention.py", "__init__"), ("algorithms/sampling.py", "greedy_tokens"),
+    ("algorithms/selection.py", "at_least_one"),
+}
+READS_A_STEP = {("replicas/engine.py", "_denoise_and_commit"): 3, ("replicas/runner.py", "forward"): 2}
+# a committed block's ids: to stream them, and to key the prefix cache with its page
+ONCE_A_BLOCK = {("replicas/engine.py", "_commit"), ("replicas/scheduler.py", "_cache_pages")}
+ROOT = str(Path(__file__).resolve().parents[2]) + "/"
+
+
+def _project_site(frame) -> tuple[str, str] | None:
+    """The innermost caller in the project's code: (path from the root, function)."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(ROOT) and not path.startswith(ROOT + "tests/"):
+            return path[len(ROOT):], frame.f_code.co_name
+        frame = frame.f_back
+    return None
+
+
+@pytest.fixture
+def counted_reads(monkeypatch):
+    reads: Counter = Counter()
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            site = _project_site(sys._getframe(1))
+            if site is not None:
+                reads[site] += 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
+def test_a_step_reads_tensors_back_no_more_than_it_does_today(counted_reads):
+    engine = Engine.from_pretrained("tiny", EngineConfig(max_batch=16, fdfo_fill_hold=False))
+    prompts = [r.prompt for r in task.heldout_requests()[:48]]
+    engine.generate(prompts[:2], tiny_params())  # warm: the first step builds what later ones reuse
+    counted_reads.clear()
+    steps = []
+    engine.generate(prompts, tiny_params(), on_step=steps.append)
+    blocks = sum(s.blocks_committed for s in steps)
+    unknown = set(counted_reads) - ONCE_A_STEP - ONCE_A_BLOCK
+    assert not unknown, f"new places that read tensors back in a step: {sorted(unknown)}"
+    for site in ONCE_A_STEP:
+        assert counted_reads[site] <= READS_A_STEP.get(site, 1) * len(steps), (site, counted_reads[site], len(steps))
+    for site in ONCE_A_BLOCK:
+        assert counted_reads[site] <= blocks, (site, counted_reads[site], blocks)
