@@ -4,9 +4,9 @@ step should read as little as it can. Counted on CPU through the patched tensor 
 while the engine steps a batch of 16; a new place that reads, or a place that reads more
 often than it does today, fails the test (and says where).
 
-Today a step reads at the 12 places below once each, and once per committed block (its
-ids) and per page it caches; the goal (issue 26) is one read a step, the committed
-tokens'. Reads of host-resident tensors (the row buffer, the batch's layout) count too:
+Today a step reads 12 times at the 9 places below, and twice per committed block (its ids
+to stream, and again to key the prefix cache); the goal (issue 26) is one read a step,
+the committed tokens'. Reads of host-resident tensors (the row buffer, the batch's layout) count too:
 this test cannot tell them from device reads."""
 
 import sys
