@@ -30,8 +30,7 @@ def at_least_one(chosen: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor
     ``confidence`` is -inf outside the masked positions (see ``masked_confidence``); rows
     without any mask keep an empty choice. Ties go to the lowest position, like argmax.
     """
-    if bool(chosen.any(-1).all()):
-        return chosen
+    # no early return on "every row chose": reading that back would wait for the device
     best = torch.zeros_like(chosen).scatter_(-1, confidence.argmax(-1, keepdim=True), True)
     best &= confidence.isfinite().any(-1, keepdim=True)
     return torch.where(chosen.any(-1, keepdim=True), chosen, best)

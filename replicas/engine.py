@@ -265,10 +265,11 @@ class Engine:
             final = torch.tensor([r.algorithm.final_when_filled and r.finish_reason is None for r in requests])
             done |= final & (blocks != self.spec.mask_token_id).all(-1)
         self.rows.write_blocks(rows, page_indices, blocks)
+        done_rows, stale_rows = torch.stack([done, fed_masks]).tolist()  # one read of both
         commits = [self._commit(request, block) if block_done else None
-                   for request, block, block_done in zip(requests, blocks, done.tolist())]
+                   for request, block, block_done in zip(requests, blocks, done_rows)]
         # a block committed at the step that filled it: its cached KV is the masked one
-        self.scheduler.update_from_step(commits, kv_stale=fed_masks.tolist())
+        self.scheduler.update_from_step(commits, kv_stale=stale_rows)
         committed = []
         for request, commit in zip(requests, commits):
             if commit is None:
