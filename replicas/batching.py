@@ -62,9 +62,6 @@ class BatchingPolicy:
     the scheduler and the simulators only ever call them."""
 
     mode = SchedulerMode.FDFO
-    # a request may wait a few steps to join (for the prefix pages another is prefilling):
-    # fdfo admits after every step, the baselines only between rounds
-    admits_every_step = True
 
     def end_of_round(self, phases: Sequence[Phase]) -> list[RowAction] | None:
         """What each running row (given by its phase) does now, or None while the round goes on."""
@@ -91,7 +88,6 @@ class SyncBaseline(BatchingPolicy):
 
     mode = SchedulerMode.SYNC
     keeps_finished = False  # finished rows stay until the whole batch has finished
-    admits_every_step = False
 
     def end_of_round(self, phases: Sequence[Phase]) -> list[RowAction] | None:
         if any(p not in (Phase.BLOCK_DONE, Phase.FINISHED) for p in phases):

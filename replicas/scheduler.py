@@ -201,8 +201,10 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch and self.rows.num_free:
             request = self.waiting[0]
             cached = self._cached_prefix(request)
-            if self.policy.admits_every_step and self._being_prefilled(request, cached):
-                break  # FIFO: the head waits a few steps for the pages it would compute twice
+            # FIFO: the head waits a few steps for the pages it would compute twice, where it
+            # may join later in the round (fdfo; the baselines would keep it out of the round)
+            if self.policy.admits(len(self.running), round_over=False) and self._being_prefilled(request, cached):
+                break
             need = request.prefix_pages - len(cached) + request.blocks_to_denoise + request.suffix_pages
             pinned = sum(node.refs == 0 for node in cached)  # evictable until this request holds them
             if need + pinned > self.pool.num_available:

@@ -31,6 +31,11 @@ def run_closed_batch(engine: Engine, prompts: list[str], params) -> tuple[list, 
     return outputs, steps, time.perf_counter() - start
 
 
+def tokens_per_row_forward(output_tokens: int, steps) -> float:
+    """Committed tokens per row-forward (rows in a forward, idle rows included), rounded."""
+    return round(output_tokens / sum(s.batch_size for s in steps), 3)
+
+
 def fit_forward_cost(steps) -> tuple[float, float]:
     """``(c0, c1)`` of ``forward seconds = c0 + c1 * tokens`` over step stats, both >= 0."""
     return fit_step_cost((s.num_tokens, s.forward_s) for s in steps)
@@ -82,8 +87,7 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
         result[f"{label}_seconds"] = round(statistics.median(r["wall"] for r in label_runs), 2)
         result[f"{label}_steps"] = len(first["steps"])
         result["accuracy"][label] = round(first["request_accuracy"], 4)
-        row_forwards = sum(s.batch_size for s in first["steps"])
-        result["tokens_per_forward"][label] = round(first["output_tokens"] / row_forwards, 3)
+        result["tokens_per_forward"][label] = tokens_per_row_forward(first["output_tokens"], first["steps"])
         result["forwards_per_block_histogram"][label] = first["steps_per_block_histogram"]
     fdfo = runs["fdfo"]
     steps = [s for r in fdfo for s in r["steps"]]
