@@ -141,6 +141,10 @@ class FailoverSettings(_Section):
         4, ge=1, description="replica attempts per request, the first included; then the request fails with 503")
     backoff_s: float = Field(
         0.25, ge=0, description="wait before the second attempt, doubled for each further one")
+    healthy_wait_s: float = Field(
+        30.0, ge=0, description="before a resumed attempt, wait up to this long (within the request's deadline) "
+                                "for a replica that has not failed the request and whose steps are not failing, "
+                                "as while Serve replaces the only one left; then attempt anyway")
 
 
 class KubernetesSettings(_Section):

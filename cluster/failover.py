@@ -7,6 +7,11 @@ again with those ids as ``resume_ids``. The next replica prefills prompt + commi
 blocks and denoises on from the next block with the same per-block seeds, so the client
 sees one stream, and a seeded or greedy request the same text a fault-free run gives.
 A request that had not started is simply routed again. Attempts are bounded.
+
+Before a resumed attempt the request waits (bounded, and within its deadline) until some
+replica other than those that failed it is up and stepping: with one replica left and
+that one failing every step, attempts a backoff apart would all land on it and the
+request would fail in two seconds, while Serve replaces the replica in ten or twenty.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ log = logging.getLogger(__name__)
 # what a failed replica looks like to the caller; our own cancellation is not one of them
 _REPLICA_FAILURES = (RayError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
 AVOID_FAILED_REPLICA_S = 10.0  # how long this process's router ranks a replica that failed a request last
+HEALTHY_POLL_S = 0.1  # how often a waiting resumed attempt looks for a healthy replica
 
 
 class ReplicaFailed(Exception):
@@ -48,12 +54,15 @@ class Failover:
     """Streams one request's chunks from the replicas behind ``generate``, resuming after failures.
 
     ``generate(job)`` returns the replica stream of a ``GenerateRequest``;
-    ``on_failover()`` is called once per resumed attempt (for ``dllm_failovers_total``).
+    ``on_failover()`` is called once per resumed attempt (for ``dllm_failovers_total``);
+    ``healthy_elsewhere(failed)`` says whether a replica outside ``failed`` (ids) is up
+    and stepping; a resumed attempt waits up to ``healthy_wait_s`` for one.
     """
 
     def __init__(self, generate: Callable[[GenerateRequest], AsyncIterator[GenerateChunk]],
                  max_attempts: int, backoff_s: float, block_length: int, aligned: bool = False,
-                 on_failover: Callable[[], None] = lambda: None):
+                 on_failover: Callable[[], None] = lambda: None,
+                 healthy_elsewhere: Callable[[set[str]], bool] = lambda failed: True, healthy_wait_s: float = 0.0):
         """``aligned``: blocks aligned to the sequence's start (the first answer block also
         holds the prompt's end)."""
         self.generate = generate
@@ -62,6 +71,8 @@ class Failover:
         self.block_length = block_length
         self.aligned = aligned
         self.on_failover = on_failover
+        self.healthy_elsewhere = healthy_elsewhere
+        self.healthy_wait_s = healthy_wait_s
 
     async def stream(self, job: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The request's chunks, as if one replica had served it: ``steps`` and
@@ -69,6 +80,7 @@ class Failover:
         start = time.monotonic()
         committed: list[int] = []
         steps_before, block_steps_before = 0, []
+        failed: set[str] = set()  # replicas that failed this request
         attempt = 1
         while True:
             steps, block_steps, failure, replica = 0, [], None, None
@@ -95,6 +107,7 @@ class Failover:
                 await _close(stream)
             if replica:
                 avoid(replica, AVOID_FAILED_REPLICA_S)
+                failed.add(replica)
             if attempt >= self.max_attempts:
                 raise ReplicaFailed(failure, attempt)
             log.warning("request %s: replica attempt %d failed (%s); resuming after %d committed tokens",
@@ -102,8 +115,22 @@ class Failover:
             steps_before += steps
             block_steps_before = block_steps_before + block_steps
             await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            await self._wait_for_a_healthy_replica(job, failed, start)
             attempt += 1
             self.on_failover()
+
+    async def _wait_for_a_healthy_replica(self, job: GenerateRequest, failed: set[str], start: float) -> None:
+        """Until a replica outside ``failed`` is up and stepping, at most ``healthy_wait_s``
+        and not past the request's deadline; then the attempt goes ahead either way."""
+        until = time.monotonic() + self.healthy_wait_s
+        if job.params.timeout_s is not None:
+            until = min(until, start + job.params.timeout_s)
+        if self.healthy_elsewhere(failed) or time.monotonic() >= until:
+            return
+        log.warning("request %s: waiting up to %.0f s for a replica other than %s", job.request_id,
+                    until - time.monotonic(), ", ".join(sorted(failed)) or "the failed one")
+        while not self.healthy_elsewhere(failed) and time.monotonic() < until:
+            await asyncio.sleep(HEALTHY_POLL_S)
 
     def _resumed(self, job: GenerateRequest, committed: list[int], elapsed_s: float, attempt: int) -> GenerateRequest:
         """The job for a later attempt: resumed after ``committed``, with what is left of

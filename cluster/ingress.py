@@ -115,11 +115,13 @@ class Ingress:
         self.admitted = 0
         self.failovers = 0
         self.rejected: Counter[str] = Counter()
-        failover = (self.config.failover.max_attempts, self.config.failover.backoff_s, self.shape.block_length,
-                    self.shape.aligned)
-        self.failover = Failover(lambda job: self.replicas.generate.remote(job), *failover,
-                                 on_failover=self._count_failover)
-        self.failover_unary = Failover(self._unary, *failover, on_failover=self._count_failover)
+        settings = self.config.failover
+        failover = dict(max_attempts=settings.max_attempts, backoff_s=settings.backoff_s,
+                        block_length=self.shape.block_length, aligned=self.shape.aligned,
+                        on_failover=self._count_failover, healthy_elsewhere=self._healthy_elsewhere,
+                        healthy_wait_s=settings.healthy_wait_s)
+        self.failover = Failover(lambda job: self.replicas.generate.remote(job), **failover)
+        self.failover_unary = Failover(self._unary, **failover)
         self._metrics = None
         self._sync_task: asyncio.Task | None = None
         self.draining = False  # set once by the metrics actor's answer (`dllm-serve up` stopping); never unset
@@ -404,6 +406,11 @@ class Ingress:
 
     def _count_failover(self) -> None:
         self.failovers += 1
+
+    def _healthy_elsewhere(self, failed: set[str]) -> bool:
+        """Whether a replica outside ``failed`` reports (fresh) with no failing steps; with
+        no reports at all this ingress knows nothing, and does not hold the request back."""
+        return not self.admission.view or any(replica not in failed and not view.failing_steps for replica, view in self.admission.view.items())
 
     async def _collect(self, stream: AsyncIterator[tuple[int, GenerateChunk]], request_id: str, chat: bool,
                        n: int) -> JSONResponse:

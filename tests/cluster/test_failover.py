@@ -2,6 +2,7 @@
 the stitched stream equals an unbroken one, attempts are bounded, deadlines hold."""
 
 import asyncio
+import time
 from dataclasses import replace
 
 import pytest
@@ -75,6 +76,51 @@ def test_a_replica_fault_chunk_is_resumed_and_an_invalid_request_is_not(replica)
 
     chunks = collect(Failover(faulty_once, 2, 0.0, 16), job_for(replica))
     assert chunks[-1].finish_reason == "length" and chunks[-1].error is None
+
+
+def faulty_replica_then(replica, faults: int):
+    """A ``generate`` whose first ``faults`` streams come from a replica "sick" whose every
+    step fails; the later ones from ``replica``."""
+    attempts = []
+
+    async def generate(job):
+        attempts.append((job, time.monotonic()))
+        if len(attempts) <= faults:
+            yield GenerateChunk(finished=True, error="the replica's engine step failed", error_kind="replica_fault",
+                                replica="sick")
+            return
+        async for chunk in replica.generate(job):
+            yield chunk
+    return generate, attempts
+
+
+def test_a_resumed_attempt_waits_for_a_replica_that_did_not_fail_it(replica):
+    """The only replica up fails every step (Serve is replacing it): the resumed attempt
+    waits until another reports healthy, instead of spending every attempt on the sick one."""
+    generate, attempts = faulty_replica_then(replica, faults=1)
+    asked, healthy_at = [], time.monotonic() + 0.5
+
+    def healthy_elsewhere(failed):
+        asked.append(set(failed))
+        return time.monotonic() >= healthy_at
+    chunks = collect(Failover(generate, 2, 0.0, 16, healthy_elsewhere=healthy_elsewhere, healthy_wait_s=30), job_for(replica))
+    assert chunks[-1].finish_reason == "length" and chunks[-1].error is None
+    assert attempts[1][1] >= healthy_at  # not before a healthy replica was there
+    assert asked[0] == {"sick"}
+
+
+def test_the_wait_for_a_healthy_replica_is_bounded_by_the_setting_and_the_deadline(replica):
+    for wait_s, timeout_s in ((0.3, None), (30.0, 0.3)):
+        generate, attempts = faulty_replica_then(replica, faults=1)
+        failover = Failover(generate, 2, 0.0, 16, healthy_elsewhere=lambda failed: False, healthy_wait_s=wait_s)
+        if timeout_s is None:  # the wait ends, and the attempt goes ahead (here: to a healthy one)
+            assert collect(failover, job_for(replica))[-1].finish_reason == "length"
+            assert 0.3 <= attempts[1][1] - attempts[0][1] < 10
+        else:  # the deadline ends it: the request times out instead of waiting 30 s
+            started = time.monotonic()
+            with pytest.raises(RequestTimedOut):
+                collect(failover, job_for(replica, timeout_s=timeout_s))
+            assert time.monotonic() - started < 10 and len(attempts) == 1
 
 
 def test_attempts_are_bounded(replica):
