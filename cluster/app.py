@@ -194,8 +194,11 @@ def deploy(config: AppConfig, address: str | None = None, request_path: LocalReq
                  _metrics_export_port=config.ray_metrics_port)
     app = build_from_args(app_args(config))  # the builder Kubernetes runs, metrics actor included
     # one HTTP proxy, on the head: nodes of one machine (tests) would fight over the port,
-    # and `up` serves on the address of the machine it runs on
-    serve.start(proxy_location="HeadOnly", http_options={"host": config.host, "port": config.port})
+    # and `up` serves on the address of the machine it runs on; none where the ingress
+    # replicas serve the port themselves
+    own_http = request_path is not None and request_path.path == "ingress"
+    serve.start(proxy_location="Disabled" if own_http else "HeadOnly",
+                http_options={"host": config.host, "port": config.port})
     serve.run(app, name=config.name, route_prefix="/")
     return start_metrics_actor(config)
 

@@ -5,9 +5,10 @@ Everything a client can get wrong is caught here and answered with a 4xx error
 envelope; a replica only ever sees tokenized, validated requests. A request meets the
 cheapest checks first:
 
-1. auth and Content-Length (401, 413) before the body is read;
+1. auth, draining and Content-Length (401, 503, 413) before the body is read;
 2. admission's bound: 429 without reading the body when even a one-block request would
-   be refused now (``AdmissionController.quick_refusal``);
+   be refused now (``AdmissionController.quick_refusal``). Steps 1-2 read only headers:
+   ``cluster.early_answers`` runs them before FastAPI's machinery;
 3. the body parsed and validated (400, 404), then the bound again for its output blocks;
 4. chat template and tokenization (in a worker thread for long prompts, inline otherwise:
    a short one costs less than the hop to a thread);
@@ -31,7 +32,7 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -44,11 +45,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from algorithms import AlgorithmError, get_algorithm
-from cluster import protocol
+from cluster import early_answers, http_tally, protocol
 from cluster.admission import AdmissionController, Charge, Decision
 from cluster.auth import ApiKey, KeyRing, KeySlot, load_keys
 from cluster.choices import merged, rows
 from cluster.config import AppConfig
+from cluster.front_door import FrontDoor
+from cluster.http_tally import HttpTally
 from cluster.errors import APIError, bad_request, install_error_handlers, internal_error, validation_error
 from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
@@ -66,6 +69,8 @@ log = logging.getLogger(__name__)
 app = FastAPI(title="dllm-serve", description="OpenAI-compatible API for masked diffusion LMs",
               docs_url=None, redoc_url=None, openapi_url=None)
 install_error_handlers(app)
+app.add_middleware(early_answers.EarlyAnswers)  # refusals decided from the headers skip FastAPI
+app.add_middleware(HttpTally)  # outermost: it counts every response, early answers included
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "threshold")
 INLINE_PREPARE_CHARS = 4096  # prompts (or chats) up to this many characters are tokenized on the event loop
@@ -130,6 +135,19 @@ class Ingress:
             self._ensure_sync_task()
         except RuntimeError:  # no event loop in this thread: the first request starts it
             pass
+        early_answers.answer_for(self)
+        # request path 'ingress': this replica serves the API port itself (Serve runs no proxy)
+        self.front_door = FrontDoor(app, self.config.host, self.config.port) if self.request_path == "ingress" else None
+
+    async def check_health(self) -> None:
+        """Serve's health check: where this replica serves HTTP itself, its server must be up."""
+        problem = self.front_door.problem() if self.front_door else None
+        if problem:
+            raise RuntimeError(problem)
+
+    def __del__(self):
+        if getattr(self, "front_door", None):
+            self.front_door.close()
 
     # ---- routes -------------------------------------------------------------------------
     @app.get("/health")
@@ -192,13 +210,29 @@ class Ingress:
         """A completion route: the key and its limit first, then ``_read`` and ``_serve``;
         the key's place is held until the response ends."""
         with self._counted():
-            slot = self._key_slot(self._authorize(request.headers.get("authorization")))
+            slot = self._key_slot(self.check_before_body(request.headers))
             try:
                 body = await self._read(request, model)
                 return await self._serve(body, chat, slot)
             except BaseException:
                 slot.release()
                 raise
+
+    def check_before_body(self, headers: Mapping[str, str]) -> ApiKey | None:
+        """The checks a request meets before its body is read, each before the costlier
+        ones: key, draining, size, admission's bound; raises APIError, else returns the
+        caller's key. ``cluster.early_answers`` runs them below FastAPI too."""
+        key = self._authorize(headers.get("authorization"))
+        if self.draining:
+            raise APIError(503, "the server is shutting down and admits no new requests; retry on another "
+                                "server or once it is back", type_="server_error", code="server_draining",
+                           headers={"Retry-After": "1"})
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.config.ingress.max_body_bytes:
+            raise self._too_large(self.config.ingress.max_body_bytes)
+        self._ensure_sync_task()
+        self._refuse_if(self.admission.quick_refusal())
+        return key
 
     def _authorize(self, authorization: str | None) -> ApiKey | None:
         """The caller's key (None when no key is required), or 401."""
@@ -216,18 +250,8 @@ class Ingress:
         return slot
 
     async def _read(self, request: Request, model: type[BaseModel]):
-        """Draining, size and admission's bound, then the body read and validated: each
-        check before the costlier ones; raises APIError."""
-        if self.draining:
-            raise APIError(503, "the server is shutting down and admits no new requests; retry on another "
-                                "server or once it is back", type_="server_error", code="server_draining",
-                           headers={"Retry-After": "1"})
+        """The body read (at most ``max_body_bytes``) and validated; raises APIError."""
         limit = self.config.ingress.max_body_bytes
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise self._too_large(limit)
-        self._ensure_sync_task()
-        self._refuse_if(self.admission.quick_refusal())
         raw = bytearray()
         async for piece in request.stream():
             raw += piece
@@ -501,7 +525,7 @@ class Ingress:
         report that is lost or sent twice changes nothing)."""
         return IngressReport(admitted=self.admitted, rejected=dict(self.rejected), failovers=self.failovers,
                              outstanding=self.admission.outstanding, cpu_s=time.process_time(),
-                             in_flight=self.in_flight, draining=self.draining).model_dump()
+                             in_flight=self.in_flight, draining=self.draining, **http_tally.TALLY.report()).model_dump()
 
     @contextmanager
     def _counted(self):

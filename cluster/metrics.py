@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from replicas.calibration_log import CalibrationLog
-from replicas.reports import MIN_STALE_S, IngressReport, ReplicaStats
+from replicas.reports import HTTP_SECONDS_BOUNDS, MIN_STALE_S, IngressReport, ReplicaStats
 
 ACTOR_NAME = "dllm-metrics"
 ACTOR_NAMESPACE = "dllm"
@@ -48,6 +49,35 @@ class MetricSpec:
     help: str
     labels: tuple[str, ...] = ("replica",)
     buckets: tuple[float, ...] | None = None
+
+
+class SummedHistogram:
+    """A histogram fed with bucket counts (what the ingress replicas measured) rather than
+    observations; ``buckets`` end with +inf."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = (),
+                 registry: CollectorRegistry | None = None, buckets: tuple[float, ...] = (float("inf"),)):
+        self.name, self.documentation, self.bounds = name, documentation, buckets
+        self.counts = [0] * len(buckets)
+        self.seconds = 0.0
+        if registry is not None:
+            registry.register(self)
+
+    def add(self, counts: list[int], seconds: float) -> None:
+        """Add new counts per bucket (an ingress's growth since its last report; none from a
+        report without them)."""
+        if len(counts) == len(self.counts):
+            self.counts = [mine + max(0, new) for mine, new in zip(self.counts, counts)]
+            self.seconds += max(0.0, seconds)
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation)
+        cumulative, buckets = 0, []
+        for bound, count in zip(self.bounds, self.counts):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        family.add_metric([], buckets, self.seconds)
+        yield family
 
 
 METRICS = (
@@ -84,6 +114,8 @@ METRICS = (
     MetricSpec("dllm_failovers_total", Counter, "Requests resumed on another replica after theirs failed", ()),
     MetricSpec("dllm_admission_outstanding", Gauge, "Row-steps admitted by the ingress replicas and not yet released", ()),
     MetricSpec("dllm_ingress_cpu_seconds_total", Counter, "CPU seconds used by the ingress replicas' processes", ()),
+    MetricSpec("dllm_http_responses_total", Counter, "HTTP responses sent by the ingress replicas, by status code", ("code",)),
+    MetricSpec("dllm_http_response_seconds", SummedHistogram, "Time from a request's arrival at an ingress replica's app to its response's last byte", (), buckets=HTTP_SECONDS_BOUNDS),
     MetricSpec("dllm_replicas", Gauge, "Replicas that reported recently (replicas.reports.stale_after_s: 10 s or 20 stats periods)", ()),
 )
 
@@ -169,6 +201,11 @@ class MetricsExporter:
             m["dllm_rejected_total"].labels(reason).inc(max(0, count - last.rejected.get(reason, 0)))
         # the first report of an ingress also counts its start-up
         m["dllm_ingress_cpu_seconds_total"].inc(max(0.0, report.cpu_s - last.cpu_s))
+        for code, count in report.responses.items():
+            m["dllm_http_responses_total"].labels(code).inc(max(0, count - last.responses.get(code, 0)))
+        before = last.response_buckets or [0] * len(report.response_buckets)
+        m["dllm_http_response_seconds"].add([new - old for new, old in zip(report.response_buckets, before)],
+                              report.response_seconds - last.response_seconds)
         self._ingress[ingress] = (time.monotonic(), report)
         self._prune()
 

@@ -21,7 +21,7 @@ import yaml
 from cluster.app import ingress_deployment_options, replica_deployment_options, size_for_node
 from cluster.auth import API_KEYS_ENV
 from cluster.config import AppConfig, ConfigError
-from cluster.request_path import serve_environment
+from cluster.request_path import on_kubernetes, serve_environment
 
 RAY_METRICS_PORT = 8080  # KubeRay's convention for Ray's metrics on Kubernetes
 GCS_PORT, DASHBOARD_PORT, CLIENT_PORT = 6379, 8265, 10001  # Ray's head ports (KubeRay's defaults)
@@ -138,7 +138,7 @@ def _container(config: AppConfig, options: RenderOptions, name: str, cpus: int, 
     resources = {"cpu": str(cpus), "memory": memory} | ({"nvidia.com/gpu": str(gpus)} if gpus else {})
     # Serve reads its request-path options when its processes start: in every Ray container
     env = options.env() + [{"name": name, "value": value}
-                           for name, value in serve_environment(config.request_path).items()]
+                           for name, value in serve_environment(on_kubernetes(config.request_path)).items()]
     return {
         "name": name,
         "image": config.kubernetes.image,

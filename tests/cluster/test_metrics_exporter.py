@@ -4,6 +4,7 @@ import time
 
 from prometheus_client import generate_latest
 
+from cluster.http_tally import Tally
 from cluster.metrics import METRICS, MetricsExporter
 from replicas.monitor import ReplicaMonitor
 from replicas.stats import StepStats
@@ -84,3 +85,23 @@ def test_prefix_cache_totals_become_counters_of_what_is_new():
     assert sample(text, "dllm_prefix_evictions_total", 'replica="r1"') == 1
     assert sample(text, "dllm_cached_pages", 'replica="r1"') == 9
     assert exporter.cluster_view()["r1"]["prefix_pages_hit"] == 20
+
+
+def test_the_ingress_http_tally_becomes_a_counter_and_a_histogram_of_what_is_new():
+    """``cluster.http_tally`` counts responses as the ingress's app sends them; two ingress
+    replicas' totals add up, and a report sent again adds nothing."""
+    tally = Tally()
+    for status, seconds in ((200, 0.003), (200, 0.2), (429, 0.001), (500, 100.0)):
+        tally.add(status, seconds)
+    assert tally.buckets[0] == 2 and tally.buckets[-1] == 1  # <= 5 ms, and beyond the last bound
+    report = tally.report()
+    exporter = MetricsExporter()
+    for ingress in ("i1", "i1", "i2"):
+        exporter.push_ingress(ingress, report)
+    text = generate_latest(exporter.registry).decode()
+    assert sample(text, "dllm_http_responses_total", 'code="200"') == 4
+    assert sample(text, "dllm_http_responses_total", 'code="429"') == 2
+    assert sample(text, "dllm_http_response_seconds_count") == 8
+    assert sample(text, "dllm_http_response_seconds_bucket", 'le="0.005"') == 4
+    assert sample(text, "dllm_http_response_seconds_bucket", 'le="0.25"') == 6
+    assert abs(sample(text, "dllm_http_response_seconds_sum") - 2 * 100.204) < 1e-9

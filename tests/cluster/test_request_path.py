@@ -2,7 +2,8 @@
 
 import os
 
-from cluster.request_path import FALLBACK_PORT_ENVS, HAPROXY_STATS_PORT_ENV, LocalRequestPath, serve_environment
+from cluster.request_path import (DIRECT_INGRESS_ENV, FALLBACK_PORT_ENVS, HAPROXY_ENV, HAPROXY_STATS_PORT_ENV,
+                                  OWN_HTTP_ENV, THROUGHPUT_ENV, LocalRequestPath, on_kubernetes, serve_environment)
 
 
 def test_two_local_clusters_share_no_port():
@@ -26,3 +27,12 @@ def test_two_local_clusters_share_no_port():
 def test_the_kubernetes_render_keeps_serves_ports():
     """One cluster per pod: the render sets the path, not ports."""
     assert not set(FALLBACK_PORT_ENVS) & set(serve_environment("haproxy"))
+
+
+def test_the_ingress_path_runs_no_proxy_and_no_replica_http_server_of_serves():
+    env = serve_environment("ingress")
+    assert env[OWN_HTTP_ENV] == "1" and env[DIRECT_INGRESS_ENV] == "0"
+    assert env[HAPROXY_ENV] == "0" and env[THROUGHPUT_ENV] == "1"
+    assert OWN_HTTP_ENV not in serve_environment("haproxy")  # the pods' environment stays as it was
+    assert on_kubernetes("ingress") == "haproxy" and on_kubernetes("proxy") == "proxy"
+    assert LocalRequestPath("ingress").run_dir is None  # nothing of HAProxy's to start or clean up

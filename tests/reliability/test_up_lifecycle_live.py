@@ -1,13 +1,14 @@
-"""`dllm-serve up` with its defaults and API keys, as a new user starts it: HAProxy in front,
+"""`dllm-serve up` with its defaults and API keys, as a new user starts it: no proxy in front,
 admission right from the first request, keys checked before the body is read, limited per
 key and never shown, a stop that frees every port for the next `up` at once, and a graceful
 stop on SIGTERM.
 
-One cluster, fresh: a client sends 50 requests back to back, then 12 concurrent clients
-send for a few seconds; no request is refused. Then the keys are checked. Then `up` stops
-(Ctrl-C) and starts again at once on the same ports, and serves. Then SIGTERM: it stops
-admitting (503 ``server_draining`` with Retry-After), lets the requests in flight finish
-with their whole output, and exits 0.
+One cluster, fresh, on the default request path (the ingress replica holds the port, no
+proxy runs): a client sends 50 requests back to back, then 12 concurrent clients send for
+a few seconds; no request is refused. Then the keys are checked. Then `up` stops (Ctrl-C)
+and starts again at once on the same ports, with HAProxy in front this time, and serves.
+Then SIGTERM: it stops admitting (503 ``server_draining`` with Retry-After), lets the
+requests in flight finish with their whole output, and exits 0, its HAProxy ended.
 """
 
 import asyncio
@@ -25,7 +26,7 @@ import pytest
 from cluster.request_path import processes_mentioning
 from live_up import start_cluster, stop_cluster
 from loadgen.arrivals import tiny_prompts
-from loadgen.overload import is_haproxy, listening_process
+from loadgen.overload import cluster_cpu, is_haproxy, listening_process, serving_raylet
 from reliability_cluster import stream_completion
 
 pytestmark = pytest.mark.timeout(900)
@@ -130,21 +131,17 @@ def _check_keys(cluster) -> None:
         assert key not in shown and key not in log
 
 
-def _check_fresh_cluster(cluster, prompts: list[str]) -> str:
-    """HAProxy holds the port and admission refuses nothing from a cold start; this `up`'s
-    HAProxy run directory."""
+def _check_fresh_cluster(cluster, prompts: list[str]) -> None:
+    """The ingress replica holds the port itself, with no proxy of Serve's or HAProxy, and
+    admission refuses nothing from a cold start."""
     port = int(cluster.base_url.rsplit(":", 1)[1])
     health = httpx.get(cluster.base_url + "/health", timeout=10).json()
-    assert health["request_path"] == "haproxy"  # the ingress replicas run Serve with HAProxy on
+    assert health["request_path"] == "ingress"  # the default
     assert health["replicas_reporting"] == 1  # `up` said ready once admission had a report
-    listener = haproxy_of(port)
-    assert listener is not None, listening_process(port)  # and HAProxy, not Serve's proxy, holds the port
-    config_file = Path(listener[1].split(" -f ", 1)[1].split()[0])  # <run dir>/<node id>/haproxy.cfg
-    run_dir = str(config_file.parents[1])
-    assert Path(run_dir).name.startswith("dllm-haproxy-")  # this `up`'s own directory
-    # HAProxy's backup server is this cluster's own Serve proxy, not one on Serve's fixed 8500
-    backup = re.search(r"server SERVE_PROXY_ACTOR-fallback\S* 127\.0\.0\.1:(\d+)", config_file.read_text())
-    assert backup is not None and int(backup.group(1)) != 8500, config_file.read_text()[-800:]
+    listener = listening_process(port)
+    assert listener is not None and "ServeReplica:dllm:Ingress" in listener[1], listener
+    roles = {role for role, _ in cluster_cpu(serving_raylet(port)).values()}  # this cluster's processes
+    assert {"ingress", "engine", "controller"} <= roles and not roles & {"proxy", "haproxy_manager", "haproxy"}, roles
 
     with httpx.Client(base_url=cluster.base_url, timeout=120, headers=bearer(ENV_KEY)) as http:
         statuses = [http.post("/v1/completions", json=completion(prompts[i])).status_code
@@ -152,6 +149,18 @@ def _check_fresh_cluster(cluster, prompts: list[str]) -> str:
     assert statuses == [200] * BACK_TO_BACK, statuses
     statuses = asyncio.run(concurrent_clients(cluster.base_url, prompts))
     assert len(statuses) >= CONCURRENT_CLIENTS and set(statuses) == {200}, statuses
+
+
+def _check_haproxy(port: int) -> str:
+    """HAProxy holds the port, run from this `up`'s own directory (returned), its backup
+    server this cluster's own Serve proxy, not one on Serve's fixed 8500."""
+    listener = haproxy_of(port)
+    assert listener is not None, listening_process(port)  # HAProxy, not Serve's proxy, holds the port
+    config_file = Path(listener[1].split(" -f ", 1)[1].split()[0])  # <run dir>/<node id>/haproxy.cfg
+    run_dir = str(config_file.parents[1])
+    assert Path(run_dir).name.startswith("dllm-haproxy-")
+    backup = re.search(r"server SERVE_PROXY_ACTOR-fallback\S* 127\.0\.0\.1:(\d+)", config_file.read_text())
+    assert backup is not None and int(backup.group(1)) != 8500, config_file.read_text()[-800:]
     return run_dir
 
 
@@ -241,19 +250,21 @@ def test_fresh_cluster_serves_clients_checks_keys_restarts_at_once_on_its_ports_
              "metrics_port": int(cluster.metrics_url.split(":")[2].split("/")[0])}
     prompts = tiny_prompts(100, seed=3)
     try:
-        run_dir = _check_fresh_cluster(cluster, prompts)
+        _check_fresh_cluster(cluster, prompts)
         _check_keys(cluster)
         assert "dllm_" in cluster.metrics_text()  # a scrape just before the stop leaves TIME_WAIT behind
     finally:
         stop_cluster(cluster.process)
     assert cluster.process.returncode == 0
     assert listening_process(ports["port"]) is None  # nothing holds the API port
-    assert not processes_mentioning(run_dir) and not Path(run_dir).exists()  # its HAProxy ended, its files gone
 
-    # the same ports at once: the first run left nothing bound; then SIGTERM drains it
-    again = start_cluster(tmp_path / "again", settings | DRAIN_SETTINGS | ports, api_keys=ENV_KEY, timeout_s=240)
+    # the same ports at once, HAProxy in front: the first run left nothing bound; then SIGTERM drains it
+    again = start_cluster(tmp_path / "again", settings | DRAIN_SETTINGS | ports | {"request_path": "haproxy"},
+                          api_keys=ENV_KEY, timeout_s=240)
+    run_dir = None
     try:
-        assert again.base_url == cluster.base_url and haproxy_of(ports["port"]) is not None
+        assert again.base_url == cluster.base_url
+        run_dir = _check_haproxy(ports["port"])
         assert "dllm_" in again.metrics_text()
         answer = httpx.post(again.base_url + "/v1/completions", json=completion(prompts[0]), headers=bearer(FILE_KEY),
                             timeout=120)
@@ -261,3 +272,5 @@ def test_fresh_cluster_serves_clients_checks_keys_restarts_at_once_on_its_ports_
         _check_graceful_stop(again)
     finally:
         stop_cluster(again.process)
+    assert run_dir is not None and not processes_mentioning(run_dir)  # its HAProxy ended
+    assert not Path(run_dir).exists()  # and its files are gone
