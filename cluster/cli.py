@@ -11,7 +11,6 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 import types
 from pathlib import Path
@@ -262,9 +261,35 @@ def _check_model_default_algorithm(config, spec) -> None:
             raise ConfigError(f"replica.algorithm_params (for the model's default {name}): {exc}") from None
 
 
-def drain(config, interrupted: threading.Event) -> str:
+class StopSignals:
+    """What SIGTERM and SIGINT have asked of `up`. Set from signal handlers, so plain flags
+    that the main thread polls: a handler calling ``threading.Event.set`` deadlocked `up`
+    when a second signal arrived inside the first one's ``set`` (its lock is not reentrant;
+    seen with SIGINT sent twice at once, by ``pkill`` and by ``timeout`` passing it on)."""
+
+    POLL_S = 0.1
+
+    def __init__(self):
+        self.graceful = False  # SIGTERM: drain, then stop
+        self.interrupted = False  # SIGINT, or a second SIGTERM: stop at once
+
+    def on_sigterm(self, *_) -> None:
+        if self.graceful:
+            self.interrupted = True
+        self.graceful = True
+
+    def on_sigint(self, *_) -> None:
+        self.interrupted = True
+
+    def wait(self) -> None:
+        """Until either signal came."""
+        while not (self.graceful or self.interrupted):
+            time.sleep(self.POLL_S)
+
+
+def drain(config, signals: StopSignals) -> str:
     """Stop admitting cluster-wide and wait until the requests in flight have finished, at
-    most ``config.drain_timeout_s`` (or until ``interrupted``); returns what happened.
+    most ``config.drain_timeout_s`` (or until ``signals.interrupted``); returns what happened.
 
     The order goes through the metrics actor (``MetricsExporter.drain``), re-sent every poll
     so that an actor restarted meanwhile has it too; each ingress replica gets it with its
@@ -282,7 +307,7 @@ def drain(config, interrupted: threading.Event) -> str:
     deadline = start + config.drain_timeout_s
     settle_s = 2 * config.stats_period_s + config.ingress.metrics_timeout_s
     status, shown = None, -math.inf
-    while not interrupted.is_set():
+    while not signals.interrupted:
         now = time.monotonic()
         if now >= deadline:
             break
@@ -301,8 +326,8 @@ def drain(config, interrupted: threading.Event) -> str:
                 print(f"draining: {status['in_flight']} request(s) in flight on {status['ingresses']} ingress "
                       f"replica(s), {status['stopped']} stopped admitting; waiting up to "
                       f"{deadline - now:.0f} s more", flush=True)
-        interrupted.wait(0.2)
-    if interrupted.is_set():
+        time.sleep(0.2)
+    if signals.interrupted:
         return f"drain interrupted after {time.monotonic() - start:.1f} s"
     left = "unknown" if status is None else status["in_flight"]
     return f"drain timeout after {config.drain_timeout_s:g} s, requests still in flight: {left}"
@@ -324,18 +349,7 @@ def cmd_up(args) -> int:
     keys = load_keys(config.api_key_file)  # the ingress replicas read them again, each in its process
     if args.address is None:  # a local cluster: its ports must be free
         check_ports_free(config)
-    stop, graceful, interrupted = threading.Event(), threading.Event(), threading.Event()
-
-    def on_sigterm(*_) -> None:
-        if graceful.is_set():  # a second SIGTERM: stop at once
-            interrupted.set()
-        graceful.set()
-        stop.set()
-
-    def on_sigint(*_) -> None:
-        interrupted.set()
-        stop.set()
-
+    signals = StopSignals()
     print(f"starting dllm-serve: model {config.model_name}, {config.autoscaling.min_replicas}"
           f"-{config.autoscaling.max_replicas} replica(s), mode {config.replica.mode.value}, "
           f"{f'{len(keys)} API key(s) required' if keys else 'no API key required'}", flush=True)
@@ -347,8 +361,8 @@ def cmd_up(args) -> int:
         print(wait_until_admitting(config), flush=True)
         # after ray.init, which installs handlers of its own: SIGTERM drains, then stops;
         # SIGINT (even when started in the background, where it arrives ignored) stops at once
-        signal.signal(signal.SIGTERM, on_sigterm)
-        signal.signal(signal.SIGINT, on_sigint)
+        signal.signal(signal.SIGTERM, signals.on_sigterm)
+        signal.signal(signal.SIGINT, signals.on_sigint)
         base = f"http://{config.host}:{config.port}"
         auth = " -H \"Authorization: Bearer $KEY\"" if keys else ""
         ray_address = ray.get_runtime_context().gcs_address  # what `status` needs when several clusters run here
@@ -357,11 +371,11 @@ def cmd_up(args) -> int:
               f"  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} "
               f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": \"{_EXAMPLE_PROMPT}\", \"max_tokens\": 32}}'\n"
               f"ready; Ctrl-C stops (SIGTERM drains first: up to {config.drain_timeout_s:g} s)", flush=True)
-        stop.wait()
-        if graceful.is_set() and not interrupted.is_set() and config.drain_timeout_s > 0:
+        signals.wait()
+        if signals.graceful and not signals.interrupted and config.drain_timeout_s > 0:
             print(f"SIGTERM: draining (new requests get 503; up to {config.drain_timeout_s:g} s for the "
                   f"requests in flight)", flush=True)
-            print(drain(config, interrupted), flush=True)
+            print(drain(config, signals), flush=True)
     except KeyboardInterrupt:
         pass
     finally:

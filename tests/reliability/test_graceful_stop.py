@@ -4,9 +4,13 @@ to a real `dllm-serve up`: test_up_lifecycle_live.py.)"""
 
 import asyncio
 import json
+import os
+import signal
+import time
 import types
 
 
+from cluster.cli import StopSignals
 from cluster.config import load_config
 from cluster.errors import APIError
 from cluster.metrics import MetricsExporter
@@ -87,3 +91,25 @@ def test_drain_status_sums_the_live_ingress_replicas():
     assert 0 <= status["age_s"] < 60
     answer = exporter.ingress_sync("b", report | {"outstanding": 0.0})
     assert answer == {"replicas": {}, "draining": True, "ingresses": 2}
+
+
+def test_up_hears_signals_that_arrive_together_and_repeated():
+    """`up`'s handlers only set flags: signals arriving at once (Ctrl-C pressed twice,
+    ``pkill`` and ``timeout`` passing SIGINT on) once deadlocked it inside Event.set."""
+    signals = StopSignals()
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signals.on_sigint)
+    signal.signal(signal.SIGTERM, signals.on_sigterm)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        signals.wait()
+        assert signals.graceful and not signals.interrupted  # SIGTERM drains first
+        for sig in (signal.SIGINT, signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+            os.kill(os.getpid(), sig)
+        deadline = time.monotonic() + 30
+        while not signals.interrupted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert signals.interrupted
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
