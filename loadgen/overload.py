@@ -282,9 +282,10 @@ async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: b
     async with client.make_client(endpoint) as http:
         listed = await client.first_model(http)  # also checks the URL (and key) before any load
         endpoint = replace(endpoint, model=endpoint.model or listed)
+        server = await server_slo(http)  # what the server admits to
         slo, slo_from = plan.slo_latency_s, "--slo-latency"
         if slo is None:
-            slo, slo_from = await server_slo(http), "the server"
+            slo, slo_from = server, "the server"
         if slo is None:
             slo, slo_from = DEFAULT_SLO_S, "default"
         port = local_port(endpoint.url)
@@ -308,7 +309,7 @@ async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: b
     for phase in phases:
         phase["goodput_over_capacity"] = phase["goodput_rps"] / capacity if capacity > 0 else None
     return {"url": endpoint.url, "model": endpoint.model, "api": endpoint.path, "stream": endpoint.stream,
-            "slo_latency_s": slo,
+            "slo_latency_s": slo, "server_slo_latency_s": server,
             "slo_from": slo_from, "clients": plan.clients, "capacity_s": plan.capacity_s,
             "duration_s": plan.duration_s, "capacity_rps": capacity, "phases": phases,
             "cpu": _cpu_note(port, raylet, phases), "cpu_per_outcome_s": cpu_per_outcome(phases)}
@@ -347,10 +348,20 @@ _COLUMNS = (  # header, width, value of a phase report
 )
 
 
+def _slo_mismatch(result: dict) -> str:
+    """A warning when the server admits to another SLO than the goodput counts against."""
+    server = result.get("server_slo_latency_s")
+    if server is None or abs(server - result["slo_latency_s"]) < 1e-9:
+        return ""
+    return (f"; WARNING: the server admits to {server:g} s, so admitted requests may take up to that "
+            f"(start it with --set slo.latency_s={result['slo_latency_s']:g} to compare like with like)")
+
+
 def format_overload(result: dict) -> str:
     lines = [f"target      {result['model']} at {result['url']}{result['api']}"
              f" ({'streamed' if result['stream'] else 'whole answers'})",
-             f"SLO         latency <= {result['slo_latency_s']:g} s (from {result['slo_from']})",
+             f"SLO         latency <= {result['slo_latency_s']:g} s (from {result['slo_from']})"
+             + _slo_mismatch(result),
              f"capacity    {result['capacity_rps']:.2f} req/s completed by {result['clients']} closed-loop clients "
              f"in {result['capacity_s']:g} s; loads: Poisson for {result['duration_s']:g} s each",
              *format_table(result["phases"], _COLUMNS),

@@ -235,7 +235,12 @@ def test_a_run_against_a_mock_server(monkeypatch):
 
 def test_slo_option_wins_and_default_without_one(monkeypatch):
     plan = overload.OverloadPlan(clients=1, capacity_s=0.1, loads=(), slo_latency_s=7.0, prompt="1")
-    assert run_mock(monkeypatch, mock_server(), plan)["slo_from"] == "--slo-latency"
+    result = run_mock(monkeypatch, mock_server(), plan)
+    assert result["slo_from"] == "--slo-latency" and result["server_slo_latency_s"] == 2.0
+    # the server admits to 2 s, the goodput counts against 7 s: the report says so
+    assert "WARNING: the server admits to 2 s" in overload.format_overload(result)
+    plan = overload.OverloadPlan(clients=1, capacity_s=0.1, loads=(), slo_latency_s=2.0, prompt="1")
+    assert "WARNING" not in overload.format_overload(run_mock(monkeypatch, mock_server(), plan))
     plan = overload.OverloadPlan(clients=1, capacity_s=0.1, loads=(), prompt="1")
     result = run_mock(monkeypatch, mock_server(slo=None), plan)
     assert (result["slo_latency_s"], result["slo_from"]) == (overload.DEFAULT_SLO_S, "default")
