@@ -50,10 +50,9 @@ from cluster.admission import AdmissionController, Charge, Decision
 from cluster.auth import ApiKey, KeyRing, KeySlot, load_keys
 from cluster.choices import merged, rows
 from cluster.config import AppConfig
-from cluster.front_door import FrontDoor
-from cluster.http_tally import HttpTally
 from cluster.errors import APIError, bad_request, install_error_handlers, internal_error, validation_error
 from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
+from cluster.front_door import FrontDoor
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from cluster.request_path import path_in_this_process
 from replicas.limits import aligned_head, blocks_needed
@@ -70,7 +69,7 @@ app = FastAPI(title="dllm-serve", description="OpenAI-compatible API for masked 
               docs_url=None, redoc_url=None, openapi_url=None)
 install_error_handlers(app)
 app.add_middleware(early_answers.EarlyAnswers)  # refusals decided from the headers skip FastAPI
-app.add_middleware(HttpTally)  # outermost: it counts every response, early answers included
+app.add_middleware(http_tally.HttpTally)  # outermost: it counts every response, early answers included
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "threshold")
 INLINE_PREPARE_CHARS = 4096  # prompts (or chats) up to this many characters are tokenized on the event loop
@@ -137,7 +136,8 @@ class Ingress:
             pass
         early_answers.answer_for(self)
         # request path 'ingress': this replica serves the API port itself (Serve runs no proxy)
-        self.front_door = FrontDoor(app, self.config.host, self.config.port) if self.request_path == "ingress" else None
+        own_http = self.request_path == "ingress"
+        self.front_door = FrontDoor(app, self.config.host, self.config.port) if own_http else None
 
     async def check_health(self) -> None:
         """Serve's health check: where this replica serves HTTP itself, its server must be up."""
@@ -434,7 +434,8 @@ class Ingress:
     def _healthy_elsewhere(self, failed: set[str]) -> bool:
         """Whether a replica outside ``failed`` reports (fresh) with no failing steps; with
         no reports at all this ingress knows nothing, and does not hold the request back."""
-        return not self.admission.view or any(replica not in failed and not view.failing_steps for replica, view in self.admission.view.items())
+        views = self.admission.view
+        return not views or any(replica not in failed and not view.failing_steps for replica, view in views.items())
 
     async def _collect(self, stream: AsyncIterator[tuple[int, GenerateChunk]], request_id: str, chat: bool,
                        n: int) -> JSONResponse:
