@@ -181,10 +181,9 @@ class AppConfig(_Section):
     request_path: RequestPath = Field(
         "ingress", description="the front end of the HTTP API: 'ingress' (the ingress replicas serve the port "
                                "themselves, no proxy; on Kubernetes the pods run 'haproxy'), 'haproxy' (HAProxy "
-                               "forwards straight to "
-                               "the ingress replicas, Serve's throughput-optimized options on), 'throughput' (those "
-                               "options behind Serve's Python proxy) or 'proxy' (Serve as it ships); see "
-                               "cluster.request_path")
+                               "forwards straight to the ingress replicas, Serve's throughput-optimized options "
+                               "on), 'throughput' (those options behind Serve's Python proxy) or 'proxy' (Serve as "
+                               "it ships); see cluster.request_path")
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none")
     request_timeout_s: float | None = Field(
         600.0, gt=0, description="a request still running this long after it arrived ends with a timeout error "

@@ -3,14 +3,13 @@
 A refusal (wrong key, server draining, body too large, cluster at its step capacity) is
 decided from the headers and admission's state alone. Raised from a route, it first goes
 through FastAPI's routing, parameter resolution and exception handlers: about 0.5 ms of
-CPU a request on the project's 2-core VM, where a plain uvicorn answers in about as much
+CPU a request on the project's 2-core VM, as much again as a plain uvicorn takes to answer
 (request path ``ingress``; behind Serve's own HTTP handling the saving is lost in the
-rest, docs/request-path.md). This
-pure-ASGI middleware asks the ingress of this process (``answer_for``, called by the
-Ingress when it starts: one per replica process) before any of that, and sends the same
-error envelope itself.
-The route runs the same checks again for the requests that pass (they are cheap), so it
-answers alike where the middleware is not in front of it.
+rest, docs/request-path.md). This pure-ASGI middleware asks the ingress of this process
+(``answer_for``, called by the Ingress when it starts: one per replica process) before any
+of that, and sends the same error envelope itself. The route runs the same checks again
+for the requests that pass (they are cheap), so it answers alike where the middleware is
+not in front of it.
 """
 
 from __future__ import annotations

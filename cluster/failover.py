@@ -125,11 +125,12 @@ class Failover:
         until = time.monotonic() + self.healthy_wait_s
         if job.params.timeout_s is not None:
             until = min(until, start + job.params.timeout_s)
-        if self.healthy_elsewhere(failed) or time.monotonic() >= until:
-            return
-        log.warning("request %s: waiting up to %.0f s for a replica other than %s", job.request_id,
-                    until - time.monotonic(), ", ".join(sorted(failed)) or "the failed one")
+        logged = False
         while not self.healthy_elsewhere(failed) and time.monotonic() < until:
+            if not logged:
+                log.warning("request %s: waiting up to %.0f s for a replica other than %s", job.request_id,
+                            until - time.monotonic(), ", ".join(sorted(failed)) or "the failed one")
+                logged = True
             await asyncio.sleep(HEALTHY_POLL_S)
 
     def _resumed(self, job: GenerateRequest, committed: list[int], elapsed_s: float, attempt: int) -> GenerateRequest:

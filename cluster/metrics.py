@@ -205,7 +205,7 @@ class MetricsExporter:
             m["dllm_http_responses_total"].labels(code).inc(max(0, count - last.responses.get(code, 0)))
         before = last.response_buckets or [0] * len(report.response_buckets)
         m["dllm_http_response_seconds"].add([new - old for new, old in zip(report.response_buckets, before)],
-                              report.response_seconds - last.response_seconds)
+                                            report.response_seconds - last.response_seconds)
         self._ingress[ingress] = (time.monotonic(), report)
         self._prune()
 
