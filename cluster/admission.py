@@ -165,12 +165,13 @@ class AdmissionController:
         if not self.settings.enabled or ahead <= 0:
             return Decision(True)
         bound = self.settings.max_step_debt_per_replica
-        if bound is not None:
-            excess = ahead + cost - bound * (len(self.view) or self.min_replicas)
-            excess_s = excess / self._drain()[0]
-        else:
+        if bound is None:
             slo = self._slo_s if slo_s is None else min(slo_s, self._slo_s)
             excess_s = self.predicted_s(cost) - slo
+        else:  # a fixed bound replaces the SLO, not the request's own deadline
+            excess_s = (ahead + cost - bound * (len(self.view) or self.min_replicas)) / self._drain()[0]
+            if slo_s is not None:
+                excess_s = max(excess_s, self.predicted_s(cost) - slo_s)
         return Decision(True) if excess_s <= 0 else Decision(False, max(1, math.ceil(excess_s)))
 
     # ---- decisions and charges -------------------------------------------------------------

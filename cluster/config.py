@@ -65,7 +65,8 @@ class AdmissionSettings(_Section):
                     "the algorithm's worst case until measured)")
     max_step_debt_per_replica: float | None = Field(
         None, gt=0,
-        description="a fixed bound instead: row-steps a replica may owe (default: none, admit by predicted completion)")
+        description="a fixed bound instead of the SLO: row-steps a replica may owe (a request's own deadline_s "
+                    "is still checked against the predicted completion; default: none, admit by predicted completion)")
     initial_row_steps_per_s: float = Field(
         500.0, gt=0, description="drain-rate prior used until replicas have measured their step cost")
 

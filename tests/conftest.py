@@ -9,24 +9,42 @@ from live_up import free_port, start_cluster, stop_cluster
 torch.set_num_threads(1)
 
 
-LIVE_FIXTURES = {"one_replica", "cluster", "observed", "tiny_cluster", "llada"}
+LIVE_FIXTURES = {"cluster", "observed", "llada"}
+# the modules whose clusters are their own (the other live tests share the session's)
+OWN_CLUSTERS = {"test_kills_live", "test_up_lifecycle_live", "test_overload_live", "test_checkpoint_live"}
+SHARED_API_KEY = "test-key"
 
 
 def pytest_collection_modifyitems(items):
     """Mark ``live`` the tests of a real cluster: those of a ``*_live.py`` module and those
-    that take a live cluster's fixture."""
-    for item in items:
-        if item.path.stem.endswith("_live") or LIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.live)
+    that take a live cluster's fixture. Then order the run: the tests of no cluster first,
+    then the modules that start clusters of their own, then the users of the session's
+    shared cluster, together (a cluster idling beside other tests slows them down, and the
+    shared one is stopped when the session ends)."""
+    def place(item) -> int:
+        if not (item.path.stem.endswith("_live") or LIVE_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            return 0
+        item.add_marker(pytest.mark.live)
+        return 1 if item.path.stem in OWN_CLUSTERS else 2
+
+    items.sort(key=place)  # stable: each module keeps its tests' order
 
 
 @pytest.fixture(scope="session")
-def one_replica(tmp_path_factory):
-    """`dllm-serve up` with one tiny replica (one torch thread), no API key, Ray's own
-    metrics on a port of their own (``ray_metrics_port`` in ``cluster.config``), shared by
-    the tests of the load generator and of the dashboards. Its users leave it serving."""
-    settings = {"replica": {"max_batch": 16, "torch_threads": 1}, "stats_period_s": 0.25,
-                "autoscaling": {"min_replicas": 1, "max_replicas": 1}, "ray_metrics_port": free_port()}
-    running = start_cluster(tmp_path_factory.mktemp("one-replica"), settings)
+def cluster(tmp_path_factory):
+    """The session's `dllm-serve up`, shared by the serving, load generator and dashboard
+    tests: two tiny replicas (one torch thread each), an API key (``SHARED_API_KEY``),
+    admission capacity small enough for a burst to be refused, stats every 0.25 s, and
+    Ray's own metrics on a port of their own (``ray_metrics_port`` in ``cluster.config``).
+    Its users leave it serving."""
+    settings = {
+        "replica": {"max_batch": 16, "torch_threads": 1},
+        "autoscaling": {"min_replicas": 2, "max_replicas": 2},
+        "admission": {"max_step_debt_per_replica": 2000},
+        "stats_period_s": 0.25,
+        "ray_metrics_port": free_port(),
+    }
+    running = start_cluster(tmp_path_factory.mktemp("cluster"), settings, api_keys=SHARED_API_KEY)
     yield running
     stop_cluster(running.process)
+    assert running.process.returncode is not None

@@ -5,9 +5,11 @@ Nothing is ever fetched from a hub: every file comes from the directory given.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -55,6 +57,22 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from exc
 
 
+@contextlib.contextmanager
+def _weights_left_uninitialised() -> Iterator[None]:
+    """``torch.nn.init``'s initialisers as no-ops: a model built on the meta device gets its
+    weights from the checkpoint, and running them there costs seconds per process (their
+    first call on meta loads torch's Python reference kernels)."""
+    names = [name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")]
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
 def _build(path: Path, overrides: dict | None) -> nn.Module:
     """The architecture named in config.json, on the meta device (no memory), with the
     per-model defaults and ``overrides`` applied to its spec."""
@@ -66,7 +84,7 @@ def _build(path: Path, overrides: dict | None) -> nn.Module:
         )
     cls = ARCHITECTURES[arch]
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _weights_left_uninitialised():
             net = cls(cls.config_class.from_dict(raw))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}/config.json does not describe a {arch}: {exc}") from exc

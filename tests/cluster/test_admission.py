@@ -49,6 +49,16 @@ def test_fixed_debt_bound_before_any_report():
     assert admit(adm, 100).admitted
 
 
+def test_a_fixed_bound_still_refuses_what_would_miss_the_requests_own_deadline():
+    adm = controller(max_step_debt_per_replica=1000, min_replicas=1)
+    adm.update_view({"a": replica(debt=100, live=5)})
+    predicted = adm.predicted_s(20)
+    assert adm.try_admit(20).admitted  # far below the bound
+    late = adm.try_admit(20, slo_s=predicted / 2)
+    assert not late.admitted and late.retry_after_s >= 1
+    assert adm.try_admit(20, slo_s=predicted * 2).admitted
+
+
 def test_light_load_admits_what_the_old_rule_refused():
     """12 requests in flight (the issue's closed loop): the old rule charged the worst case
     (8 blocks x 16 steps) and allowed the rate measured at the current batch x SLO; the

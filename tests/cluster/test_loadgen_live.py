@@ -1,6 +1,6 @@
 """`dllm-serve loadgen`, `calibrate` and `bench calibration` (the real CLI, in a subprocess)
-against a real `dllm-serve up`: one replica (the session's, tests/conftest.py) and two (the
-package's shared cluster, conftest.py)."""
+against a real `dllm-serve up`: the session's shared cluster of two replicas
+(tests/conftest.py)."""
 
 import json
 import subprocess
@@ -13,22 +13,17 @@ from loadgen.arrivals import poisson_times
 from loadgen.capacity.calibration import load_calibration
 
 RATE, DURATION_S, SEED = 8.0, 6.0, 3
-
-
-@pytest.fixture(scope="module", params=[1, 2], ids=["1-replica", "2-replicas"])
-def tiny_cluster(request):
-    """The tiny model on ``request.param`` fixed replicas, one torch thread each."""
-    return request.getfixturevalue({1: "one_replica", 2: "cluster"}[request.param])
+REPLICAS = 2  # the shared cluster's
 
 
 def key_args(cluster) -> list[str]:
-    return ["--api-key", cluster.api_key] if cluster.api_key else []
+    return ["--api-key", cluster.api_key]
 
 
-def test_loadgen_report_is_consistent(tiny_cluster, tmp_path):
+def test_loadgen_report_is_consistent(cluster, tmp_path):
     plot = tmp_path / "run.png"
     run = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "loadgen", "--url", tiny_cluster.base_url, *key_args(tiny_cluster),
+        [sys.executable, "-m", "cluster.cli", "loadgen", "--url", cluster.base_url, *key_args(cluster),
          "--rate", str(RATE),
          "--duration", str(DURATION_S), "--seed", str(SEED), "--timeout", "60", "--slo-latency", "5",
          "--json", "--records", "--plot", str(plot)],
@@ -68,11 +63,10 @@ def _cli(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_calibrate_measures_the_live_cluster(tiny_cluster, tmp_path, request):
+def test_calibrate_measures_the_live_cluster(cluster, tmp_path):
     out = tmp_path / "live.json"
-    replicas = request.node.callspec.params["tiny_cluster"]
-    run = _cli("calibrate", "--url", tiny_cluster.base_url, *key_args(tiny_cluster), "--rates", "4,12", "--duration", "3", "--seed", "1",
-               "--replicas", str(replicas), "--out", str(out), "--quiet")
+    run = _cli("calibrate", "--url", cluster.base_url, *key_args(cluster), "--rates", "4,12", "--duration", "3", "--seed", "1",
+               "--replicas", str(REPLICAS), "--out", str(out), "--quiet")
     assert run.returncode == 0, run.stderr[-3000:]
     cal = load_calibration(out)
     assert cal.c0 + cal.c1 * cal.max_batch > 0 and cal.max_batch == 16
@@ -81,22 +75,20 @@ def test_calibrate_measures_the_live_cluster(tiny_cluster, tmp_path, request):
     assert len(overheads) == 100 and 0 <= min(overheads) <= max(overheads) < 5
     assert set(cal.blocks_per_request) <= set(range(2, 8))  # 1-6 grids + the EOS block
     assert min(cal.steps_per_block) >= 1 and max(cal.steps_per_block) <= 17  # fused commit: 1 to L
-    assert f"{replicas} replica(s) (" in cal.source
-    assert [p.rate for p in cal.load_points] == [4 / replicas, 12 / replicas]
+    assert f"{REPLICAS} replica(s) (" in cal.source
+    assert [p.rate for p in cal.load_points] == [4 / REPLICAS, 12 / REPLICAS]
     for point in cal.load_points:
         assert point.c0 + point.c1 > 0 and len(point.request_overhead_s) == 100
     assert cal.prefill_s > 0  # every request computes a 7-page prompt
-    low, high = cal.at_rate(4 / replicas), cal.at_rate(12 / replicas)
+    low, high = cal.at_rate(4 / REPLICAS), cal.at_rate(12 / REPLICAS)
     assert low.c0 == cal.load_points[0].c0 and high.c1 == cal.load_points[1].c1
 
 
-@pytest.mark.parametrize("tiny_cluster", [1], indirect=True, ids=["1-replica"])  # 2 replicas: as calibrate
-def test_bench_calibration_prints_both_sides(tiny_cluster, request):
-    replicas = request.node.callspec.params["tiny_cluster"]
-    run = _cli("bench", "calibration", "--url", tiny_cluster.base_url, *key_args(tiny_cluster),
+def test_bench_calibration_prints_both_sides(cluster):
+    run = _cli("bench", "calibration", "--url", cluster.base_url, *key_args(cluster),
                "--calibration-rates", "4,12",
                "--duration", "2",
-               "--rates", "4,10", "--rate-requests", "12", "--replicas", str(replicas),
+               "--rates", "4,10", "--rate-requests", "12", "--replicas", str(REPLICAS),
                "--json", "--quiet")
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout)
@@ -113,12 +105,13 @@ def test_bench_calibration_prints_both_sides(tiny_cluster, request):
                                   for q in (50, 99))
 
 
-def test_a_chats_later_turns_find_their_history_in_the_prefix_cache(one_replica):
+def test_a_chats_later_turns_find_their_history_in_the_prefix_cache(cluster):
     """`--workload chat`: each later turn sends its chat so far, whose prompt and answer pages
-    the replica cached when the previous turn ran (the tiny prompt is 7 whole pages)."""
+    the replica cached when the previous turn ran (the tiny prompt is 7 whole pages); the
+    router sends it to that replica."""
     times = poisson_times(RATE, SEED, count=18)
     run = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "loadgen", "--url", one_replica.base_url, "--workload", "chat",
+        [sys.executable, "-m", "cluster.cli", "loadgen", "--url", cluster.base_url, *key_args(cluster), "--workload", "chat",
          "--turns", "3", "--open-chats", "3", "--rate", str(RATE), "--requests", str(len(times)),
          "--seed", str(SEED), "--timeout", "60", "--json", "--records", "--quiet"], capture_output=True, timeout=150)
     assert run.returncode == 0, run.stderr.decode()[-3000:]

@@ -23,10 +23,10 @@ def _prometheus_config(dllm_target: str, ray_target: str) -> dict:
 
 
 @pytest.fixture(scope="package")
-def observed(one_replica, tmp_path_factory):
-    """(cluster, Prometheus base URL): the session's one tiny replica, its metrics and Ray's
+def observed(cluster, tmp_path_factory):
+    """(cluster, Prometheus base URL): the session's shared cluster, its metrics and Ray's
     scraped every second."""
-    cluster, tmp = one_replica, tmp_path_factory.mktemp("observed")
+    tmp = tmp_path_factory.mktemp("observed")
     ray_port = cluster.config["ray_metrics_port"]
     prometheus = None
     try:

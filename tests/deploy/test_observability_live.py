@@ -23,12 +23,14 @@ class Load(threading.Thread):
     """Bursts of concurrent requests (half streamed) until stopped: some admitted, and a
     quarter with a deadline of 10 ms, which admission refuses while others are in flight."""
 
-    def __init__(self, base_url: str):
+    def __init__(self, base_url: str, api_key: str):
         super().__init__(daemon=True)
         self.base_url, self.stop, self.codes = base_url, threading.Event(), Counter()
+        self.headers = {"Authorization": f"Bearer {api_key}"}
 
     def run(self) -> None:
-        with httpx.Client(base_url=self.base_url, timeout=60) as client, ThreadPoolExecutor(BURST) as pool:
+        with httpx.Client(base_url=self.base_url, timeout=60, headers=self.headers) as client, \
+                ThreadPoolExecutor(BURST) as pool:
             def send(i: int) -> int:
                 body = {"model": "tiny", "prompt": _EXAMPLE_PROMPT, "stream": i % 2 == 0}
                 if i % 4 == 3:
@@ -52,7 +54,7 @@ def has_number(answer: dict) -> bool:
 
 def test_every_dashboard_query_returns_data_under_load(observed):
     cluster, prometheus = observed
-    load = Load(cluster.base_url)
+    load = Load(cluster.base_url, cluster.api_key)
     load.start()
     try:
         deadline = time.monotonic() + 150
