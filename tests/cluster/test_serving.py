@@ -201,7 +201,7 @@ def test_neutral_values_and_unknown_fields_are_accepted(cluster):
 
 
 def test_64_concurrent_requests_on_two_replicas_match_offline_accuracy(cluster):
-    requests = task.heldout_requests()[:192]
+    requests = task.heldout_requests()[:100]  # one request apart: 1 point
     bodies = [{"model": "tiny", "prompt": r.prompt, "max_tokens": TINY_MAX_TOKENS} for r in requests]
     # a client that retries a 429 after its Retry-After: a cold cluster charges worst cases
     responses = asyncio.run(post_all(cluster.base_url, bodies, concurrency=64, retries=10))

@@ -38,7 +38,7 @@ SETTINGS = {
     "stats_period_s": 0.25,
 }
 PROMPTS = [f"{i}.{i % 7}..{(3 * i) % 10}.{i % 4}" for i in range(16)]
-BODY = {"model": "tiny", "max_tokens": 192, "ignore_eos": True}
+BODY = {"model": "tiny", "max_tokens": 96, "ignore_eos": True}
 KILL_BODY = {"model": "tiny", "prompt": "1.3. ..2. 4... .1.4", "max_tokens": 48}
 CLIENTS = 4
 BACK_WITHIN_S = 10.0

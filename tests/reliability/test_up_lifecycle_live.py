@@ -41,7 +41,7 @@ EXIT_MARGIN_S = 90.0  # Serve and Ray take a while to stop on a busy machine
 DRAIN_SETTINGS = {"replica": {"max_batch": 8, "torch_threads": 1}, "ingress": {"replicas": 1},
                   "admission": {"enabled": False}, "stats_period_s": 0.25, "drain_timeout_s": DRAIN_TIMEOUT_S}
 STREAMS = 16  # twice max_batch
-BODY = {"model": "tiny", "max_tokens": 192, "ignore_eos": True}
+BODY = {"model": "tiny", "max_tokens": 96, "ignore_eos": True}
 PROMPTS = [f"{i}.{i % 7}..{(3 * i) % 10}.{i % 4}" for i in range(STREAMS)]
 LONG = {"model": "tiny", "prompt": "1.2..3", "max_tokens": 192, "ignore_eos": True,
         "algorithm": "fixed_steps", "algorithm_params": {"steps": 16}}

@@ -8,7 +8,7 @@ from replicas.batching import MODES as POLICIES
 
 @pytest.mark.bench
 def test_policy_report_is_complete_and_consistent():
-    result = bench_policies("tiny", num_requests=40, rate=20.0, max_batch=8, slo_latency_s=5.0)
+    result = bench_policies("tiny", num_requests=16, rate=20.0, max_batch=8, slo_latency_s=5.0)
     assert set(result["policies"]) == set(POLICIES) == {"static", "sync", "fixed_fill", "fdfo"}
     for stats in result["policies"].values():
         assert 0 < stats["ttfb_p50_s"] <= stats["latency_p50_s"] <= stats["latency_p99_s"]
