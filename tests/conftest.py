@@ -15,17 +15,22 @@ OWN_CLUSTERS = {"test_kills_live", "test_up_lifecycle_live", "test_overload_live
 SHARED_API_KEY = "test-key"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
     """Mark ``live`` the tests of a real cluster: those of a ``*_live.py`` module and those
-    that take a live cluster's fixture. Then order the run: the tests of no cluster first,
-    then the modules that start clusters of their own, then the users of the session's
-    shared cluster, together (a cluster idling beside other tests slows them down, and the
-    shared one is stopped when the session ends)."""
+    that take a live cluster's fixture, and order them: first the modules that start
+    clusters of their own, then the users of the session's shared cluster, together (a
+    cluster idling beside other tests slows them down). Then the tests of no cluster.
+
+    Under pytest-xdist (``-n 2 --dist loadgroup``, the default in pyproject.toml) the live
+    tests are one group, run in that order by one worker, never two clusters at once,
+    while the other worker runs the rest beside them."""
     def place(item) -> int:
         if not (item.path.stem.endswith("_live") or LIVE_FIXTURES & set(getattr(item, "fixturenames", ()))):
-            return 0
+            return 2
         item.add_marker(pytest.mark.live)
-        return 1 if item.path.stem in OWN_CLUSTERS else 2
+        item.add_marker(pytest.mark.xdist_group("live"))
+        return 0 if item.path.stem in OWN_CLUSTERS else 1
 
     items.sort(key=place)  # stable: each module keeps its tests' order
 
