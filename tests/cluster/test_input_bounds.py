@@ -1,6 +1,7 @@
 """Every request field is bounded (README "Request bounds") and a failure of ours never
 reaches the client as text: unit tests on the ingress without Ray, then a property test
-(hypothesis) of both endpoints against a live `dllm-serve up`."""
+(hypothesis) of both endpoints through the ingress's routes and a real engine in this
+process, whose hostile examples are replayed against a live `dllm-serve up`."""
 
 import asyncio
 import json
@@ -9,6 +10,7 @@ import math
 import re
 import time
 import types
+from collections import Counter
 
 import httpx
 import pytest
@@ -408,57 +410,110 @@ def check_answer(response: httpx.Response, body: dict) -> None:
         assert error["param"] is not None and error["param"].split(".")[0] in FIELDS, (error, body)
 
 
-@pytest.mark.timeout(1200)
-def test_any_request_gets_200_or_a_4xx_envelope_and_the_server_recovers(cluster):
-    with httpx.Client(base_url=cluster.base_url, headers=AUTH, timeout=120) as client:
-        check_bounds_live(cluster, client)
+# hostile requests that once crashed or hung a layer: run first in-process, and against the live cluster
+EXAMPLES = [
+    ("/v1/completions", completion(algorithm="joint_threshold", temperature=1, top_k=1e20)),
+    ("/v1/completions", completion(algorithm="joint_threshold", temperature=1, algorithm_params={"top_k": 10 ** 20})),
+    ("/v1/completions", completion(algorithm="joint_threshold", algorithm_params={"max_post_edit_steps": 10 ** 12})),
+    ("/v1/completions", completion(seed=2 ** 64, top_k=2 ** 64, temperature=0.5)),
+    (CHAT, chat([{"role": "user", "content": "1"}] * 50_000)),
+    ("/v1/completions", completion(prompt="1" * (MAX_PROMPT_CHARS + 1))),
+]
 
 
-def check_bounds_live(cluster, client: httpx.Client) -> None:
-    counts = {}
+def check_bounds(send, generated: bool) -> Counter:
+    """``send(path, body bytes) -> httpx.Response`` for each of ``EXAMPLES`` and, where
+    ``generated``, 250 drawn ``cases``; each answer checked; returns the statuses counted."""
+    counts: Counter = Counter()
 
-    @settings(max_examples=250, deadline=None, derandomize=True, database=None,
-              phases=(Phase.explicit, Phase.generate),  # no shrinking against a live server
-              suppress_health_check=list(HealthCheck))
-    @given(cases())
-    @example(("/v1/completions", completion(algorithm="joint_threshold", temperature=1, top_k=1e20)))
-    @example(("/v1/completions", completion(algorithm="joint_threshold", temperature=1,
-                                            algorithm_params={"top_k": 10 ** 20})))
-    @example(("/v1/completions", completion(algorithm="joint_threshold",
-                                            algorithm_params={"max_post_edit_steps": 10 ** 12})))
-    @example(("/v1/completions", completion(seed=2 ** 64, top_k=2 ** 64, temperature=0.5)))
-    @example((CHAT, chat([{"role": "user", "content": "1"}] * 50_000)))
-    @example(("/v1/completions", completion(prompt="1" * (MAX_PROMPT_CHARS + 1))))
     def one(case):
         path, body = case
         # json.dumps writes NaN and Infinity as Python does (httpx's json= would refuse them)
-        response = client.post(path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        counts[response.status_code] = counts.get(response.status_code, 0) + 1
+        response = send(path, json.dumps(body).encode())
+        counts[response.status_code] += 1
         check_answer(response, body)
 
-    start = time.monotonic()
-    try:
-        one()
-    finally:
-        print(f"statuses {sorted(counts.items())} in {time.monotonic() - start:.0f} s")
-    assert counts.get(200, 0) >= 25 and counts.get(400, 0) >= 25, counts  # both kinds were exercised
+    test = given(cases())(one)
+    for case in reversed(EXAMPLES):
+        test = example(case)(test)
+    phases = (Phase.explicit, Phase.generate) if generated else (Phase.explicit,)  # never shrinking
+    settings(max_examples=250, deadline=None, derandomize=True, database=None, phases=phases,
+             suppress_health_check=list(HealthCheck))(test)()
+    return counts
 
-    # the server serves normally afterwards: pages and admission back to 0 ...
-    deadline = time.monotonic() + 180
-    while True:
-        text = cluster.metrics_text()
-        free, pages = series(text, "dllm_free_pages"), series(text, "dllm_total_pages")
-        live = sum(series(text, "dllm_running_requests").values()) + \
-            sum(series(text, "dllm_step_queue_length").values())
-        outstanding = sum(series(text, "dllm_admission_outstanding").values())
-        if free and free == pages and live == 0 and outstanding == 0:
-            break
-        assert time.monotonic() < deadline, f"free {free} of {pages}, live {live}, outstanding {outstanding}"
-        time.sleep(0.5)
-    # ... and answers a real request as before
+
+def check_a_real_answer(send) -> None:
+    """A held-out puzzle answered as before (at least half its grids right)."""
     request = task.heldout_requests()[0]
-    response = client.post("/v1/completions", json={"model": "tiny", "prompt": request.prompt,
-                                                    "max_tokens": task.MAX_TOKENS})
+    response = send("/v1/completions", json.dumps({"model": "tiny", "prompt": request.prompt,
+                                                   "max_tokens": task.MAX_TOKENS}).encode())
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] == "stop"
     assert sum(task.grade(request, response.json()["choices"][0]["text"])) >= math.ceil(len(request.puzzles) / 2)
+
+
+async def as_received(answered) -> httpx.Response:
+    """A route's response (awaited from ``answered``) as a client receives it, a stream
+    read to its end."""
+    response = await answered
+    if hasattr(response, "body_iterator"):
+        body = b"".join([p if isinstance(p, bytes) else p.encode() async for p in response.body_iterator])
+    else:
+        body = response.body
+    return httpx.Response(response.status_code, headers=response.headers.items(), content=body)
+
+
+@pytest.fixture(scope="module")
+def tiny_replica():
+    """A real engine replica of the tiny model in this process (no Ray)."""
+    from replicas.deployment import EngineReplica
+    from replicas.settings import EngineConfig
+
+    replica = EngineReplica("tiny", EngineConfig(max_batch=16), metrics_actor=None)
+    yield replica
+    replica.__del__()
+
+
+@pytest.mark.timeout(1200)
+def test_any_request_gets_200_or_a_4xx_envelope_and_the_engine_recovers(tiny_replica):
+    """The property over the ingress's routes and a real engine, in this process."""
+    plain, instance = ingress_over(tiny_replica.generate)
+
+    def send(path: str, data: bytes) -> httpx.Response:
+        return asyncio.run(as_received(answer(plain, instance, data, path=path)))
+
+    start = time.monotonic()
+    counts = check_bounds(send, generated=True)
+    print(f"statuses {sorted(counts.items())} in {time.monotonic() - start:.0f} s")
+    assert counts[200] >= 25 and counts[400] >= 25, counts  # both kinds were exercised
+    engine = tiny_replica.engine
+    deadline = time.monotonic() + 60
+    while engine.scheduler.running or engine.scheduler.waiting or engine.pool.num_unheld != engine.pool.capacity:
+        assert time.monotonic() < deadline, "the engine kept requests or pages"
+        time.sleep(0.05)
+    assert instance.admission.outstanding == 0
+    check_a_real_answer(send)
+
+
+@pytest.mark.timeout(600)
+def test_the_hostile_examples_get_200_or_a_4xx_envelope_live_and_the_server_recovers(cluster):
+    with httpx.Client(base_url=cluster.base_url, headers=AUTH, timeout=120) as client:
+        counts = check_bounds(lambda path, data: client.post(path, content=data,
+                                                             headers={"Content-Type": "application/json"}),
+                              generated=False)
+        assert sum(counts.values()) == len(EXAMPLES), counts
+        # the server serves normally afterwards: pages and admission back to 0 ...
+        deadline = time.monotonic() + 180
+        while True:
+            text = cluster.metrics_text()
+            free, pages = series(text, "dllm_free_pages"), series(text, "dllm_total_pages")
+            live = sum(series(text, "dllm_running_requests").values()) + \
+                sum(series(text, "dllm_step_queue_length").values())
+            outstanding = sum(series(text, "dllm_admission_outstanding").values())
+            if free and free == pages and live == 0 and outstanding == 0:
+                break
+            assert time.monotonic() < deadline, f"free {free} of {pages}, live {live}, outstanding {outstanding}"
+            time.sleep(0.5)
+        # ... and answers a real request as before
+        check_a_real_answer(lambda path, data: client.post(path, content=data,
+                                                           headers={"Content-Type": "application/json"}))
