@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import time
 
 import httpx
@@ -13,7 +12,7 @@ import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from cluster.config import AppConfig, ConfigError
+from cluster.config import AppConfig
 from cluster.ingress import Ingress
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE, MetricsActor
 from cluster.request_path import LocalRequestPath
@@ -158,22 +157,6 @@ def start_metrics_actor(config: AppConfig):
         num_cpus=0, max_restarts=-1, resources={"node:__internal_head__": 0.001},
     ).remote(config.host, config.metrics_port, stale_after_s(config.stats_period_s))
     return ray.get(actor.ready.remote(), timeout=METRICS_ACTOR_START_S)
-
-
-def check_ports_free(config: AppConfig) -> None:
-    """``ConfigError`` naming the setting whose port on ``host`` is taken (before Ray starts)."""
-    ports = {"port": config.port, "metrics_port": config.metrics_port, "ray_metrics_port": config.ray_metrics_port}
-    for name, port in ports.items():
-        if port is None:
-            continue
-        with socket.socket() as probe:
-            # as the servers bind: a port left with TIME_WAIT connections only (a stop
-            # just before) is free to them
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((config.host, port))
-            except OSError as exc:
-                raise ConfigError(f"{name} {port} on {config.host} is not free: {exc.strerror}") from None
 
 
 def deploy(config: AppConfig, address: str | None = None, request_path: LocalRequestPath | None = None) -> str:

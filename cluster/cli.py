@@ -334,21 +334,23 @@ def drain(config, signals: StopSignals) -> str:
 
 
 def cmd_up(args) -> int:
-    import ray
-
-    from cluster.app import check_ports_free, deploy, shutdown, wait_until_admitting
-    from cluster.auth import load_keys
-    from cluster.request_path import LocalRequestPath
-
-    from replicas.models import check_checkpoint
+    from cluster.config import check_ports_free
 
     config = up_config(args)
+    if args.address is None:  # a local cluster: its ports must be free (checked first: it is quick)
+        check_ports_free(config)
+
+    import ray
+
+    from cluster.app import deploy, shutdown, wait_until_admitting
+    from cluster.auth import load_keys
+    from cluster.request_path import LocalRequestPath
+    from replicas.models import check_checkpoint
+
     replica = config.replica
     spec = check_checkpoint(config.model, replica.lora, replica.model_overrides)  # before any process starts
     _check_model_default_algorithm(config, spec)
     keys = load_keys(config.api_key_file)  # the ingress replicas read them again, each in its process
-    if args.address is None:  # a local cluster: its ports must be free
-        check_ports_free(config)
     signals = StopSignals()
     print(f"starting dllm-serve: model {config.model_name}, {config.autoscaling.min_replicas}"
           f"-{config.autoscaling.max_replicas} replica(s), mode {config.replica.mode.value}, "

@@ -6,6 +6,7 @@ The same object drives `dllm-serve up` and renders the Kubernetes manifests.
 from __future__ import annotations
 
 import enum
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -288,3 +289,19 @@ def describe_fields(model: type[BaseModel] = AppConfig, prefix: str = "") -> lis
         default = default.value if isinstance(default, enum.Enum) else default
         lines.append(f"  {prefix}{name} (default {default!r}): {field.description or ''}")
     return lines
+
+
+def check_ports_free(config: AppConfig) -> None:
+    """``ConfigError`` naming the setting whose port on ``host`` is taken (before Ray starts)."""
+    ports = {"port": config.port, "metrics_port": config.metrics_port, "ray_metrics_port": config.ray_metrics_port}
+    for name, port in ports.items():
+        if port is None:
+            continue
+        with socket.socket() as probe:
+            # as the servers bind: a port left with TIME_WAIT connections only (a stop
+            # just before) is free to them
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((config.host, port))
+            except OSError as exc:
+                raise ConfigError(f"{name} {port} on {config.host} is not free: {exc.strerror}") from None

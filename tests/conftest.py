@@ -12,25 +12,34 @@ torch.set_num_threads(1)
 LIVE_FIXTURES = {"cluster", "observed", "llada"}
 # the modules whose clusters are their own (the other live tests share the session's)
 OWN_CLUSTERS = {"test_kills_live", "test_up_lifecycle_live", "test_overload_live", "test_checkpoint_live"}
+# of those, the ones that may run beside the rest in the other worker once it has run
+# every test of no cluster (their checks do not depend on timing): that worker is free
+# a minute or two before the one with the other live tests
+ALONGSIDE = {"test_checkpoint_live"}
 SHARED_API_KEY = "test-key"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
     """Mark ``live`` the tests of a real cluster: those of a ``*_live.py`` module and those
-    that take a live cluster's fixture, and order them: first the modules that start
+    that take a live cluster's fixture, and order the run: first the modules that start
     clusters of their own, then the users of the session's shared cluster, together (a
-    cluster idling beside other tests slows them down). Then the tests of no cluster.
+    cluster idling beside other tests slows them down), then the tests of no cluster, then
+    the ``ALONGSIDE`` modules.
 
-    Under pytest-xdist (``-n 2 --dist loadgroup``, the default in pyproject.toml) the live
-    tests are one group, run in that order by one worker, never two clusters at once,
-    while the other worker runs the rest beside them."""
+    Under pytest-xdist (``-n 2 --dist loadgroup --no-loadscope-reorder``, the default in
+    pyproject.toml) each of those two live parts is one group: the first runs in one worker,
+    in that order; the other worker runs the tests of no cluster and then the second."""
     def place(item) -> int:
-        if not (item.path.stem.endswith("_live") or LIVE_FIXTURES & set(getattr(item, "fixturenames", ()))):
+        stem = item.path.stem
+        if not (stem.endswith("_live") or LIVE_FIXTURES & set(getattr(item, "fixturenames", ()))):
             return 2
         item.add_marker(pytest.mark.live)
+        if stem in ALONGSIDE:
+            item.add_marker(pytest.mark.xdist_group("live-alongside"))
+            return 3
         item.add_marker(pytest.mark.xdist_group("live"))
-        return 0 if item.path.stem in OWN_CLUSTERS else 1
+        return 0 if stem in OWN_CLUSTERS else 1
 
     items.sort(key=place)  # stable: each module keeps its tests' order
 

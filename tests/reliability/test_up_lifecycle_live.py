@@ -43,7 +43,7 @@ DRAIN_SETTINGS = {"replica": {"max_batch": 8, "torch_threads": 1}, "ingress": {"
 STREAMS = 16  # twice max_batch
 BODY = {"model": "tiny", "max_tokens": 96, "ignore_eos": True}
 PROMPTS = [f"{i}.{i % 7}..{(3 * i) % 10}.{i % 4}" for i in range(STREAMS)]
-LONG = {"model": "tiny", "prompt": "1.2..3", "max_tokens": 192, "ignore_eos": True,
+LONG = {"model": "tiny", "prompt": "1.2..3", "max_tokens": 96, "ignore_eos": True,
         "algorithm": "fixed_steps", "algorithm_params": {"steps": 16}}
 
 
