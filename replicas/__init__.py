@@ -14,7 +14,9 @@ Glossary: the shared terms, as the code uses them (``../shared/DESIGN.md`` expla
   one row in one step, the unit of cost in which admission, routing and the autoscaler
   count work.
 * **page**: one block of KV in the pool (``replicas.kv_cache``); a request holds pages
-  for its prompt, its committed blocks and one for its active block.
+  for its prompt, its committed blocks and one for its active block: one
+  ``PageAllocation``, which the scheduler gets from the pool at admission (the cached
+  pages it shares first, its later blocks' pages promised) and gives back at its end.
 * **canvas**: what a row's forward sees: ``block`` (the prompt, committed blocks and the
   active block) or ``full`` (also the masks of every later block: LLaDA's and Dream's own
   generate(), and what infilling needs).

@@ -1,18 +1,43 @@
 """The paged KV cache: a fixed pool of pages of exactly one block each.
 
 A request owns pages for its prompt and committed blocks plus ONE page for its active
-block, reused in place for every step of that block. Admission reserves a request's
-worst case up front (``reserve``), pages are then taken from that reservation one block
-at a time, so a running request never waits for memory and nothing is ever preempted.
-With a prefix cache (``replicas.prefix_cache``), the cached pages no request holds count
-as available: ``take`` evicts one when no page is free.
+block, reused in place for every step of that block. Its pages are one ``PageAllocation``
+of the pool: admission allocates its prompt's pages and reserves its worst case up front
+(``PagePool.allocate``), each later block then takes a page from that reservation
+(``next_page``), so a running request never waits for memory and nothing is ever
+preempted. With a prefix cache (``replicas.prefix_cache``), an allocation starts with the
+cached pages it shares, and the cached pages no request holds count as available: a page
+is evicted when none is free.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from replicas.prefix_cache import PrefixCache
+from replicas.prefix_cache import CachedPage, PrefixCache
+
+
+@dataclass
+class PageAllocation:
+    """One request's pages, in sequence order: the first ``len(shared)`` are prefix-cache
+    pages it shares (their nodes, which it holds), the rest its own; ``reserved`` more are
+    promised to it, a later block's page each."""
+
+    pages: list[int] = field(default_factory=list)
+    shared: list[CachedPage] = field(default_factory=list)
+    reserved: int = 0
+
+    @property
+    def own(self) -> list[int]:
+        return self.pages[len(self.shared):]
+
+    def share(self, node: CachedPage) -> None:
+        """The next own page is cached now (``node``, held by this request): shared from here on."""
+        if node.page != self.pages[len(self.shared)]:
+            raise ValueError("a page is shared in sequence order")
+        self.shared.append(node)
 
 
 class PagePool:
@@ -47,24 +72,39 @@ class PagePool:
         """Unheld pages not promised to an admitted request."""
         return self.num_unheld - self._reserved
 
-    def reserve(self, count: int) -> bool:
-        if count > self.num_available:
-            return False
-        self._reserved += count
-        return True
+    def allocate(self, shared: list[CachedPage], now: int, later: int) -> PageAllocation | None:
+        """The ``shared`` cached pages (held from now on), ``now`` pages of its own after
+        them and ``later`` more promised, or None where they do not fit (a shared page no
+        request holds yet counts as taken: it is evictable until then)."""
+        pinned = sum(node.refs == 0 for node in shared)
+        if now + later + pinned > self.num_available:
+            return None
+        if shared:
+            self.cache.acquire(shared)
+        self._reserved += now + later
+        return PageAllocation([node.page for node in shared] + [self._take() for _ in range(now)], list(shared),
+                              later)
 
-    def take(self) -> int:
-        """One page out of an existing reservation."""
-        if self._reserved <= 0:
-            raise RuntimeError("take() without a reservation")
+    def next_page(self, allocation: PageAllocation) -> int:
+        """A page out of ``allocation``'s reservation, appended to its pages."""
+        if allocation.reserved <= 0:
+            raise RuntimeError("next_page() beyond the allocation's reservation")
+        allocation.reserved -= 1
+        page = self._take()
+        allocation.pages.append(page)
+        return page
+
+    def free(self, allocation: PageAllocation) -> None:
+        """Return the allocation's own pages and what it did not take of its reservation,
+        and let go of its shared pages (they stay cached)."""
+        self._free.extend(allocation.own)
+        self._reserved -= allocation.reserved
+        if allocation.shared:
+            self.cache.release(allocation.shared)
+
+    def _take(self) -> int:
         self._reserved -= 1
         return self._free.pop() if self._free else self.cache.evict()
-
-    def release(self, pages: list[int], unused_reservation: int) -> None:
-        """Return a request's own pages (not the cached ones it holds) and what it did not
-        take of its reservation."""
-        self._free.extend(pages)
-        self._reserved -= unused_reservation
 
 
 class KVCache:

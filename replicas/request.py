@@ -14,7 +14,7 @@ from replicas.detokenizer import Detokenizer
 from replicas.logprobs import TokenLogprob
 from replicas.limits import aligned_head, blocks_needed
 from replicas.messages import GenerateChunk, SamplingParams
-from replicas.prefix_cache import CachedPage
+from replicas.kv_cache import PageAllocation
 
 
 class FinishReason(str, enum.Enum):
@@ -46,12 +46,10 @@ class Request:
     # (replicas.scheduler), which applies each committed block (``replicas.output.BlockCommit``)
     phase: Phase = Phase.WAITING
     row: int = -1
-    pages: list[int] = field(default_factory=list)
-    reserved_pages: int = 0
+    # its pages (``replicas.kv_cache``); ``allocation.shared``: the prefix cache's nodes of
+    # its first pages, found there at admission or computed here and cached since
+    allocation: PageAllocation = field(default_factory=PageAllocation)
     prefilled_pages: int = 0  # pages of the prefix (prompt, resumed blocks) whose KV is in the cache
-    # the prefix cache's nodes of its first pages (``replicas.prefix_cache``): found there
-    # at admission, or computed here and cached since
-    prefix_nodes: list[CachedPage] = field(default_factory=list)
     cached_tokens: int = 0  # prefix tokens found in the cache at admission
     block_index: int = 0  # index of the active answer block
     steps_in_block: int = 0  # forwards of the active block so far

@@ -34,7 +34,7 @@ import torch
 
 from replicas.scheduled_batch import ScheduledBatch
 from replicas.batching import Phase, RowAction, SchedulerMode, batching_policy
-from replicas.kv_cache import PagePool
+from replicas.kv_cache import PageAllocation, PagePool
 from replicas.output import BlockCommit
 from replicas.request import FinishReason, Request
 from replicas.rows import RowTable
@@ -136,16 +136,16 @@ class Scheduler:
         another request meanwhile: its copy stays its own). Unaligned after a partial page,
         an answer starts on a page of its own, which a later prompt never continues."""
         for index in range(first, end):
-            if len(request.prefix_nodes) != index or (index >= request.prefix_pages
-                                                      and not request.answer_continues_prompt):
+            shared = request.allocation.shared
+            if len(shared) != index or (index >= request.prefix_pages and not request.answer_continues_prompt):
                 break
-            parent = request.prefix_nodes[-1] if request.prefix_nodes else None
+            parent = shared[-1] if shared else None
             tokens = (request.prefix_keys[index] if index < request.prefix_pages
                       else tuple(self.rows.tokens[request.row, index].tolist()))  # a committed block, whole
-            node = self.cache.insert(parent, tokens, request.pages[index])
+            node = self.cache.insert(parent, tokens, request.allocation.pages[index])
             if node is None:
                 break
-            request.prefix_nodes.append(node)
+            request.allocation.share(node)
 
     def _apply(self, request: Request, commit: BlockCommit) -> None:
         """A done block into the request's output and record."""
@@ -205,29 +205,25 @@ class Scheduler:
             # may join later in the round (fdfo; the baselines would keep it out of the round)
             if self.policy.admits(len(self.running), round_over=False) and self._being_prefilled(request, cached):
                 break
-            need = request.prefix_pages - len(cached) + request.blocks_to_denoise + request.suffix_pages
-            pinned = sum(node.refs == 0 for node in cached)  # evictable until this request holds them
-            if need + pinned > self.pool.num_available:
+            # the prompt's pages now; its blocks' (and a suffix's) now on the full canvas, where
+            # they are laid out at once, else promised, each taken as its block starts
+            blocks = request.blocks_to_denoise + request.suffix_pages
+            uncached = request.prefix_pages - len(cached)
+            allocation = self.pool.allocate(cached, uncached + blocks if self.full_canvas else uncached,
+                                            0 if self.full_canvas else blocks)
+            if allocation is None:
                 break  # FIFO: the head waits for pages, nobody overtakes it
             self.waiting.popleft()
             if self.cache is not None:
-                self.cache.acquire(cached)
                 self.cache.count_lookup(request.prefix_pages, cached)
-            self.pool.reserve(need)
+            request.allocation = allocation
             request.block_index = request.first_block_index
-            request.reserved_pages = request.blocks_to_denoise
-            request.prefix_nodes = cached
             request.cached_tokens = sum(len(node.tokens) for node in cached)
             request.prefilled_pages = len(cached)
-            request.pages = [node.page for node in cached] + [self.pool.take()
-                                                              for _ in range(request.prefix_pages - len(cached))]
-            request.row = self.rows.acquire(request.prompt_ids, request.pages, request.params.resume_ids,
-                                            request.aligned)
-            if self.full_canvas:  # every block's page, and a suffix's after them
-                canvas = [self.pool.take() for _ in range(request.reserved_pages + request.suffix_pages)]
+            prefix, canvas = allocation.pages[:request.prefix_pages], allocation.pages[request.prefix_pages:]
+            request.row = self.rows.acquire(request.prompt_ids, prefix, request.params.resume_ids, request.aligned)
+            if self.full_canvas:
                 self.rows.lay_canvas(request.row, request.prefix_pages, canvas, self.mask_id, request.params.suffix_ids)
-                request.pages += canvas
-                request.reserved_pages = 0
             request.phase = Phase.PREFILL
             self.running.append(request)
 
@@ -246,18 +242,16 @@ class Scheduler:
         if self.cache is None or depth >= request.prefix_pages:
             return False
         parent = cached[-1] if cached else None
-        return any(other.phase is Phase.PREFILL and len(other.prefix_nodes) == depth < other.prefix_pages
-                   and (other.prefix_nodes[-1] if depth else None) is parent
+        return any(other.phase is Phase.PREFILL and len(other.allocation.shared) == depth < other.prefix_pages
+                   and (other.allocation.shared[-1] if depth else None) is parent
                    and other.prefix_keys[depth] == request.prefix_keys[depth]
                    for other in self.running)
 
     def _start_block(self, request: Request) -> None:
         if self.full_canvas:
-            page = request.pages[request.active_page_index]  # laid out at admission
+            page = request.allocation.pages[request.active_page_index]  # laid out at admission
         else:
-            page = self.pool.take()
-            request.reserved_pages -= 1
-            request.pages.append(page)
+            page = self.pool.next_page(request.allocation)
         self._block_starts.append((request.row, request.active_page_index, page, request.answer_offset))
         request.algorithm_state = request.algorithm.init_state(request.algorithm_params, request.block_index)
         request.steps_in_block = 0
@@ -271,11 +265,9 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.running.remove(request)
-        self.pool.release(request.pages[len(request.prefix_nodes):], request.reserved_pages)
-        if request.prefix_nodes:
-            self.cache.release(request.prefix_nodes)
+        self.pool.free(request.allocation)
         self.rows.release(request.row)
-        request.pages, request.reserved_pages, request.row, request.prefix_nodes = [], 0, -1, []
+        request.allocation, request.row = PageAllocation(), -1
 
     # ---- the batch -------------------------------------------------------------------
     def _build_batch(self) -> ScheduledBatch:

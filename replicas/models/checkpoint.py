@@ -191,19 +191,34 @@ def _check_tokenizer_files(path: Path) -> None:
         raise CheckpointError(f"{path} has no tokenizer.json or tokenizer_config.json")
 
 
-def load_tokenizer(model: str | Path):
-    """The checkpoint's tokenizer through transformers, from local files only."""
-    from transformers import AutoTokenizer
+def _tokenizer_class(path: Path) -> str | None:
+    """The ``tokenizer_class`` that tokenizer_config.json names, if it names one."""
+    try:
+        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return named if isinstance(named, str) else None
 
+
+def load_tokenizer(model: str | Path):
+    """The checkpoint's tokenizer through transformers, from local files only.
+
+    A tokenizer of transformers' generic fast class (the tiny model's, LLaDA's) is loaded by
+    that class itself, as AutoTokenizer would: importing AutoTokenizer costs about 2 s more
+    per process (it indexes every model transformers knows)."""
     path = resolve_path(model)
     _check_tokenizer_files(path)
     from transformers.utils import logging as hf_logging
 
+    if _tokenizer_class(path) == "PreTrainedTokenizerFast":
+        from transformers import PreTrainedTokenizerFast as loader
+    else:
+        from transformers import AutoTokenizer as loader
     # AutoTokenizer also reads config.json and warns that it does not know our model types
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return loader.from_pretrained(str(path), local_files_only=True)
     finally:
         hf_logging.set_verbosity(verbosity)
 

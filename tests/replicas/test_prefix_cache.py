@@ -41,15 +41,25 @@ def test_match_is_exact_and_eviction_takes_the_least_recent_unreferenced_leaf():
 def test_the_pool_counts_unreferenced_pages_as_available_and_evicts_when_none_is_free():
     cache = PrefixCache()
     pool = PagePool(4, cache)  # three usable pages
-    assert pool.reserve(3)
-    pages = [pool.take() for _ in range(3)]
+    first = pool.allocate([], 2, 1)
+    assert first.own == first.pages and len(first.pages) == 2 and first.reserved == 1
+    assert pool.allocate([], 1, 0) is None  # every page taken or promised
+    taken_first = list(first.pages)
+    page = pool.next_page(first)
+    pages = list(first.pages)
+    assert pages == taken_first + [page] and first.reserved == 0
+    with pytest.raises(RuntimeError):
+        pool.next_page(first)
     node = cache.insert(None, (1,), pages[0])
-    pool.release(pages[1:], 0)  # the request's own pages go back; the cached one stays held
-    assert pool.num_available == 2
-    cache.release([node])
-    assert pool.num_available == 3 and pool.reserve(3)
-    taken = sorted(pool.take() for _ in range(3))
-    assert taken == sorted(pages) and cache.num_pages == 0 and cache.totals.evictions == 1
+    first.share(node)
+    assert first.own == pages[1:]
+    pool.free(first)  # its own pages go back; the cached one stays, unreferenced
+    assert pool.num_available == 3 and cache.num_unreferenced == 1
+    second = pool.allocate([node], 1, 1)  # the cached page shared, held again
+    assert second.pages[0] == node.page and node.refs == 1 and pool.num_available == 0
+    pool.free(second)
+    taken = pool.allocate([], 3, 0)  # no page free but one cached: evicted
+    assert sorted(taken.pages) == sorted(pages) and cache.num_pages == 0 and cache.totals.evictions == 1
 
 
 # ---- the engine: same tokens with and without the cache --------------------------------------
@@ -124,14 +134,14 @@ def check_pages(engine) -> None:
     cached page's count is its holders'; an unreferenced one is evictable."""
     pool, cache = engine.pool, engine.pool.cache
     running = engine.scheduler.running
-    held = Counter(node for request in running for node in request.prefix_nodes)
+    held = Counter(node for request in running for node in request.allocation.shared)
     nodes = list(cache.nodes())
     assert all(node.refs == held[node] for node in nodes) and set(held) <= set(nodes)
     assert cache.num_unreferenced == sum(node.refs == 0 for node in nodes) == cache.num_pages - len(held)
-    own = [page for request in running for page in request.pages[len(request.prefix_nodes):]]
+    own = [page for request in running for page in request.allocation.own]
     everything = [PagePool.SCRATCH_PAGE] + pool._free + [node.page for node in nodes] + own
     assert len(everything) == len(set(everything))  # no page in two places
-    reserved = sum(request.reserved_pages for request in running)
+    reserved = sum(request.allocation.reserved for request in running)
     assert pool.num_available == pool.num_free + cache.num_unreferenced - reserved >= 0
 
 
