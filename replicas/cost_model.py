@@ -90,6 +90,9 @@ def mean_steps(counts: Mapping[int, float]) -> float | None:
     return sum(int(k) * v for k, v in counts.items()) / total if total > 0 else None
 
 
+REFIT_EVERY_STEPS = 16
+
+
 class OnlineCostModel:
     def __init__(self, max_batch: int, window: int = 512, clock: Callable[[], float] = time.monotonic):
         self.max_batch = max_batch
@@ -97,6 +100,8 @@ class OnlineCostModel:
         self._lock = threading.Lock()
         self._arrivals: deque[float] = deque(maxlen=window)
         self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._steps_seen = 0
+        self._fit: tuple[int, tuple[float, float]] | None = None  # (steps seen then, (c0, c1))
         self.steps_per_block: Counter = Counter()
         self.blocks_per_request: Counter = Counter()
 
@@ -107,6 +112,7 @@ class OnlineCostModel:
     def observe_step(self, rows: int, seconds: float, block_steps: tuple[int, ...]) -> None:
         with self._lock:
             self._steps.append((rows, seconds))
+            self._steps_seen += 1
             self.steps_per_block.update(block_steps)
 
     def forget(self, steps: bool = True) -> None:
@@ -118,6 +124,7 @@ class OnlineCostModel:
             self.blocks_per_request.clear()
             if steps:
                 self._steps.clear()
+                self._fit = None
 
     def observe_finished(self, blocks: int) -> None:
         with self._lock:
@@ -134,8 +141,15 @@ class OnlineCostModel:
         return sum(1 for t in self._arrivals if t >= since) / RATE_WINDOW_S
 
     def step_cost(self) -> tuple[float, float]:
-        """(c0, c1) of step seconds = c0 + c1 x rows over the recent steps."""
-        return fit_step_cost(self._steps) if self._steps else (0.0, 0.0)
+        """(c0, c1) of step seconds = c0 + c1 x rows over the recent steps, refitted once
+        ``REFIT_EVERY_STEPS`` steps have come since the last fit (an under-filled fdfo step
+        asks every time, and one more step of a window of hundreds moves the fit by nothing:
+        a fit per step cost about as much CPU as the rest of the scheduler)."""
+        if not self._steps:
+            return 0.0, 0.0
+        if self._fit is None or self._steps_seen - self._fit[0] >= REFIT_EVERY_STEPS:
+            self._fit = self._steps_seen, fit_step_cost(self._steps)
+        return self._fit[1]
 
     def drain_model(self) -> DrainModel | None:
         """The step cost over the recent steps as a ``DrainModel``; None before any step."""

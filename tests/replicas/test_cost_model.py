@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from replicas.cost_model import RATE_WINDOW_S, DrainModel, OnlineCostModel, mean_steps
+from replicas.cost_model import RATE_WINDOW_S, REFIT_EVERY_STEPS, DrainModel, OnlineCostModel, mean_steps
 from replicas.monitor import ReplicaMonitor
 from replicas.reports import ReplicaStats
 
@@ -15,6 +15,20 @@ def test_step_cost_is_fitted_by_least_squares():
         model.observe_step(rows, 0.002 + 0.0005 * rows, ())
     c0, c1 = model.step_cost()
     assert c0 == pytest.approx(0.002) and c1 == pytest.approx(0.0005)
+
+
+def test_the_step_cost_is_refitted_once_enough_new_steps_have_come():
+    model = OnlineCostModel(max_batch=16)
+    model.observe_step(4, 0.01, ())
+    assert model.step_cost() == (0.01, 0.0)  # one batch size: everything is c0
+    for _ in range(REFIT_EVERY_STEPS - 1):
+        model.observe_step(16, 0.05, ())
+    assert model.step_cost() == (0.01, 0.0)  # the fit of a moment ago
+    model.observe_step(16, 0.05, ())
+    c0, c1 = model.step_cost()
+    assert c1 > 0 and c0 + 16 * c1 == pytest.approx(0.05, rel=0.01)  # the steps since, in the fit
+    model.forget()
+    assert model.step_cost() == (0.0, 0.0)
 
 
 def test_arrival_rate_counts_recent_arrivals_only():
