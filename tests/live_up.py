@@ -2,6 +2,7 @@
 that needs a real one: ``from live_up import start_cluster, stop_cluster``."""
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,10 +16,24 @@ import yaml
 from cluster.auth import API_KEYS_ENV
 
 
+# below Linux's ephemeral ports (32768-60999) and above Ray's worker ports (10002-19999):
+# a port picked here is never handed by the kernel to a socket bound to port 0 (Ray's
+# services bind dozens) between the moment it is picked and the moment a test binds it
+TEST_PORTS = range(20000, 32000)
+_pick = random.SystemRandom()  # not the global generator, which hypothesis seeds
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port of ``TEST_PORTS`` free on 127.0.0.1 now."""
+    for _ in range(1000):
+        port = _pick.choice(TEST_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {TEST_PORTS}")
 
 
 @dataclass
