@@ -497,10 +497,12 @@ def test_any_request_gets_200_or_a_4xx_envelope_and_the_engine_recovers(tiny_rep
 
 @pytest.mark.timeout(600)
 def test_the_hostile_examples_get_200_or_a_4xx_envelope_live_and_the_server_recovers(cluster):
-    with httpx.Client(base_url=cluster.base_url, headers=AUTH, timeout=120) as client:
-        counts = check_bounds(lambda path, data: client.post(path, content=data,
-                                                             headers={"Content-Type": "application/json"}),
-                              generated=False)
+    with httpx.Client(base_url=cluster.base_url, headers=AUTH | {"Content-Type": "application/json"},
+                      timeout=120) as client:
+        def send(path: str, data: bytes) -> httpx.Response:
+            return client.post(path, content=data)
+
+        counts = check_bounds(send, generated=False)
         assert sum(counts.values()) == len(EXAMPLES), counts
         # the server serves normally afterwards: pages and admission back to 0 ...
         deadline = time.monotonic() + 180
@@ -515,5 +517,4 @@ def test_the_hostile_examples_get_200_or_a_4xx_envelope_live_and_the_server_reco
             assert time.monotonic() < deadline, f"free {free} of {pages}, live {live}, outstanding {outstanding}"
             time.sleep(0.5)
         # ... and answers a real request as before
-        check_a_real_answer(lambda path, data: client.post(path, content=data,
-                                                           headers={"Content-Type": "application/json"}))
+        check_a_real_answer(send)
