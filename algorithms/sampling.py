@@ -98,21 +98,24 @@ def sampling_rows(
 
 
 def token_probability(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """softmax(logits)[tokens] in float32, without materializing the softmax."""
-    logits = logits.float()
-    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return torch.exp(chosen - logits.logsumexp(-1))
+    """softmax(logits)[tokens] in float32 (as the published rules compute it; one fused
+    softmax is faster on CPU than a logsumexp and an exp, at any vocabulary size)."""
+    return logits.float().softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def greedy_tokens(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """Argmax per position (ties: lowest id); where that is the mask id, the best other token."""
-    tokens = logits.argmax(-1)
-    hit = tokens == mask_id
-    if hit.any():
-        mask_column = torch.tensor([mask_id], device=logits.device)
-        without_mask = logits[hit].index_fill(-1, mask_column, float("-inf"))
-        tokens[hit] = without_mask.argmax(-1)
-    return tokens
+    """Argmax per position over every id but the mask id (ties: lowest id): the better of
+    the maxima left and right of the mask's column, taken on views (no copy of the logits,
+    and no read back to the host). ``max`` gives the same first index as ``argmax`` and is
+    faster on CPU."""
+    vocab = logits.shape[-1]
+    left = logits[..., :mask_id].max(-1) if mask_id > 0 else None
+    right = logits[..., mask_id + 1:].max(-1) if mask_id < vocab - 1 else None
+    if right is None:
+        return left.indices
+    if left is None:
+        return right.indices + (mask_id + 1)
+    return torch.where(right.values > left.values, right.indices + (mask_id + 1), left.indices)
 
 
 def greedy(logits: torch.Tensor, mask_id: int) -> Proposal:

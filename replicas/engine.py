@@ -250,11 +250,11 @@ class Engine:
         if not requests:  # prompt chunks only
             self.scheduler.update_from_step([])
             return []
-        if not bool(batch.advances.all()):
+        if len(requests) < batch.advances.numel():  # idle rows (sync, static) computed but not advanced
             logits = logits[batch.advances]
         rows = torch.tensor([r.row for r in requests])
         page_indices = torch.tensor([r.active_page_index for r in requests])
-        blocks = self.rows.blocks(rows, page_indices)
+        blocks = self.rows.blocks(rows, page_indices).to(logits.device)
         fed_masks = (blocks == self.spec.mask_token_id).any(-1)
         asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         before = blocks[asking] if asking else None  # a copy (indexed by a list)
@@ -262,14 +262,17 @@ class Engine:
         if asking:
             self._record_logprobs([requests[i] for i in asking], logits[asking], before, blocks[asking])
         if self.config.fused_commit:
-            final = torch.tensor([r.algorithm.final_when_filled and r.finish_reason is None for r in requests])
+            final = torch.tensor([r.algorithm.final_when_filled and r.finish_reason is None for r in requests],
+                                 device=blocks.device)
             done |= final & (blocks != self.spec.mask_token_id).all(-1)
-        self.rows.write_blocks(rows, page_indices, blocks)
-        done_rows, stale_rows = torch.stack([done, fed_masks]).tolist()  # one read of both
-        commits = [self._commit(request, block) if block_done else None
-                   for request, block, block_done in zip(requests, blocks, done_rows)]
+        # one read of the blocks' tokens and both flags (on a GPU, the step's one wait)
+        read = torch.cat([blocks, done[:, None], fed_masks[:, None]], 1).tolist()
+        self.rows.write_blocks(rows, page_indices, blocks.to(self.rows.tokens.device))
+        block_ids = [row[:-2] for row in read]
+        commits = [self._commit(request, ids) if row[-2] else None
+                   for request, ids, row in zip(requests, block_ids, read)]
         # a block committed at the step that filled it: its cached KV is the masked one
-        self.scheduler.update_from_step(commits, kv_stale=stale_rows)
+        self.scheduler.update_from_step(commits, kv_stale=[bool(row[-1]) for row in read], block_ids=block_ids)
         committed = []
         for request, commit in zip(requests, commits):
             if commit is None:
@@ -283,11 +286,11 @@ class Engine:
             self._emit(request, commit.token_ids, commit.text, commit.logprobs)
         return committed
 
-    def _commit(self, request: Request, block: torch.Tensor) -> BlockCommit:
+    def _commit(self, request: Request, block_ids: list[int]) -> BlockCommit:
         """What the request's done block commits, with its log-probabilities if it asked."""
         offset = request.answer_offset
         logprobs = None if request.block_logprobs is None else request.block_logprobs[offset:]
-        return self.outputs.commit_block(request, block[offset:].tolist(), logprobs)
+        return self.outputs.commit_block(request, block_ids[offset:], logprobs)
 
     def _record_logprobs(self, requests: list[Request], logits: torch.Tensor, before: torch.Tensor,
                          after: torch.Tensor) -> None:
@@ -310,7 +313,7 @@ class Engine:
     def _run_algorithms(self, requests: list[Request], logits: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """One algorithm step per block, in place; [R] bool: the block is done. A failing
         algorithm fails its requests (their blocks stay not done)."""
-        done = torch.zeros(len(requests), dtype=torch.bool)
+        done = torch.zeros(len(requests), dtype=torch.bool, device=blocks.device)
         groups = self._group_by_algorithm(requests)
         for algorithm, members in groups.items():
             whole = len(groups) == 1  # the common case: no gather/scatter of the group

@@ -55,6 +55,7 @@ class Request:
     steps_in_block: int = 0  # forwards of the active block so far
     committed_block_steps: list[int] = field(default_factory=list)
     unwritten_page: int | None = None  # page index of a committed block whose final KV is not cached yet
+    unwritten_ids: tuple[int, ...] | None = None  # that block's ids, which key its page in the prefix cache
     num_steps: int = 0
     algorithm_state: Any = None
     output_ids: list[int] = field(default_factory=list)  # starts as ``params.resume_ids``

@@ -63,6 +63,9 @@ class RowTable:
         vectorized write for all the blocks a step starts."""
         index = (torch.tensor(rows), torch.tensor(page_indices))
         self.page_table[index] = torch.tensor(pages)
+        if not any(keep):  # the common case: whole blocks of masks
+            self.tokens[index] = mask_id
+            return
         kept = torch.arange(self.page_size) < torch.tensor(keep)[:, None]
         self.tokens[index] = torch.where(kept, self.tokens[index], mask_id)
 

@@ -151,9 +151,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, float]:
-        """Logits ``[R, L, V]`` of the batch's block units, and the forward's seconds."""
+        """Logits ``[R, L, V]`` of the batch's block units (on the model's device: the
+        algorithms step there), and the forward's seconds."""
         refreshed = self._refreshed(batch)
-        if not batch.unit_is_block.any() and self.refreshes and (self.bidirectional or self.refresh_every_step):
+        if self.refreshes and (self.bidirectional or self.refresh_every_step) and not batch.unit_is_block.any():
             # prompt chunks only, which the first block step recomputes: nothing to run
             return torch.empty(0, self.block_length, self.model.spec.vocab_size), 0.0
         input_ids, positions, layout, logits_index = self.build_inputs(batch, refreshed)
@@ -167,7 +168,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
-        return logits.float().cpu(), elapsed
+        return logits.float(), elapsed
 
     def _keep_first_logits(self, logits: torch.Tensor, batch: ScheduledBatch, refreshed: torch.Tensor) -> torch.Tensor:
         """Store refreshed rows' first-position logits per row; reuse them for the others."""

@@ -63,8 +63,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.scheduled: list[Request] = []  # the requests of the last batch's rows
         self.stepped: list[Request] = []  # those whose block it steps, in block-unit order
-        # (request, first, end page index): pages whose final KV the last batch writes
-        self._written: list[tuple[Request, int, int]] = []
+        # (request, first, end page index, a committed block's ids): pages whose final KV the last batch writes
+        self._written: list[tuple[Request, int, int, tuple[int, ...] | None]] = []
         self.cache = pool.cache
         self._block_starts: list[tuple[int, int, int, int]] = []  # (row, page index, page, kept tokens)
 
@@ -104,18 +104,23 @@ class Scheduler:
         finally:
             self._write_block_starts()
 
-    def update_from_step(self, commits: Sequence[BlockCommit | None], kv_stale: Sequence[bool] | None = None) -> None:
+    def update_from_step(self, commits: Sequence[BlockCommit | None], kv_stale: Sequence[bool] | None = None,
+                         block_ids: Sequence[Sequence[int]] | None = None) -> None:
         """Book the outcome of the last batch: ``commits[i]`` is what the done block of
         ``stepped[i]`` adds to its output (None: the block goes on), applied here;
         ``kv_stale[i]``: that forward fed the block with masks, so its final KV is still to
-        be written (a fused commit, see ``_build_batch``). A request that ended since it
+        be written (a fused commit, see ``_build_batch``); ``block_ids[i]``: the block's
+        tokens after the step, its whole page (read from the row buffer when not given;
+        the prefix cache keys a committed page with them). A request that ended since it
         was scheduled (its algorithm failed) is skipped."""
         if self.cache is not None:
-            for request, first, end in self._written:
+            for request, first, end, ids in self._written:
                 if request.row >= 0:  # not ended in the step (its algorithm failed): it has its pages
-                    self._cache_pages(request, first, end)
+                    self._cache_pages(request, first, end, ids)
         kv_stale = kv_stale or [False] * len(commits)
-        for request, commit, stale in zip(self.stepped, commits, kv_stale, strict=True):
+        if block_ids is None:
+            block_ids = [None] * len(commits)
+        for request, commit, stale, ids in zip(self.stepped, commits, kv_stale, block_ids, strict=True):
             if request.phase is not Phase.DENOISE:
                 continue
             request.steps_in_block += 1
@@ -124,24 +129,28 @@ class Scheduler:
                 continue
             self._apply(request, commit)
             request.phase = Phase.BLOCK_DONE if request.finish_reason is None else Phase.FINISHED
+            if ids is None and self.cache is not None and request.answer_continues_prompt:
+                ids = self.rows.tokens[request.row, request.active_page_index].tolist()
             if stale and request.phase is Phase.BLOCK_DONE:
                 request.unwritten_page = request.active_page_index
+                request.unwritten_ids = None if ids is None else tuple(ids)
             elif not stale and self.cache is not None:  # its KV is the final tokens' already
-                self._cache_pages(request, request.active_page_index, request.active_page_index + 1)
+                self._cache_pages(request, request.active_page_index, request.active_page_index + 1,
+                                  None if ids is None else tuple(ids))
 
-    def _cache_pages(self, request: Request, first: int, end: int) -> None:
+    def _cache_pages(self, request: Request, first: int, end: int, block: tuple[int, ...] | None = None) -> None:
         """Cache the request's pages ``first`` to ``end`` (their final KV written: prompt
-        pages, and committed ones where the answer continues the prompt), each under its
-        page before; a request's chain stops at a gap or at a page cached already (by
-        another request meanwhile: its copy stays its own). Unaligned after a partial page,
-        an answer starts on a page of its own, which a later prompt never continues."""
+        pages, and ``block``, the ids of a committed one on page ``first``, where the answer
+        continues the prompt), each under its page before; a request's chain stops at a gap
+        or at a page cached already (by another request meanwhile: its copy stays its own).
+        Unaligned after a partial page, an answer starts on a page of its own, which a later
+        prompt never continues."""
         for index in range(first, end):
             shared = request.allocation.shared
             if len(shared) != index or (index >= request.prefix_pages and not request.answer_continues_prompt):
                 break
             parent = shared[-1] if shared else None
-            tokens = (request.prefix_keys[index] if index < request.prefix_pages
-                      else tuple(self.rows.tokens[request.row, index].tolist()))  # a committed block, whole
+            tokens = request.prefix_keys[index] if index < request.prefix_pages else block
             node = self.cache.insert(parent, tokens, request.allocation.pages[index])
             if node is None:
                 break
@@ -301,7 +310,7 @@ class Scheduler:
                     budget -= count
                     add_unit(request, page_index, count, False)
                 request.prefilled_pages = last
-                self._written.append((request, first, last))
+                self._written.append((request, first, last, None))
                 if last == request.prefix_pages and budget >= size:
                     budget -= size
                     self._start_block(request)  # prefill fused with the first block
@@ -311,12 +320,13 @@ class Scheduler:
                     continue
             idle = request.phase is not Phase.DENOISE
             if request.unwritten_page is not None:  # written by a unit of its own, or by the idle block unit
-                self._written.append((request, request.unwritten_page, request.unwritten_page + 1))
+                self._written.append((request, request.unwritten_page, request.unwritten_page + 1,
+                                      request.unwritten_ids))
                 if not idle:
                     add_unit(request, request.unwritten_page, size, False)
             add_unit(request, request.active_page_index, size, True,
                      scratch=idle and request.unwritten_page is None)
-            request.unwritten_page = None
+            request.unwritten_page, request.unwritten_ids = None, None
             advances.append(not idle)
             steps_in_block.append(request.steps_in_block)
             self.scheduled.append(request)

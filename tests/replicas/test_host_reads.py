@@ -4,10 +4,12 @@ step should read as little as it can. Counted on CPU through the patched tensor 
 while the engine steps a batch of 16; a new place that reads, or a place that reads more
 often than it does today, fails the test (and says where).
 
-Today a step reads 10 times at the 8 places below, and twice per committed block (its ids
-to stream, and again to key the prefix cache); the goal (issue 26) is one read a step,
-the committed tokens'. Reads of host-resident tensors (the row buffer, the batch's layout) count too:
-this test cannot tell them from device reads."""
+Today a step reads 6 times at the 6 places below: once the step's results (the blocks'
+ids and flags, in one read, in ``_denoise_and_commit``), and 5 times tensors that live on
+the host (the batch's layout and counts), which wait for nothing; never per committed
+block. Logits, blocks and the algorithms' work stay on the model's device until that one
+read (issue 26: no other wait inside a step). This test cannot tell a host tensor's read
+from a device tensor's: the places are listed by name."""
 
 import sys
 from collections import Counter
@@ -24,12 +26,8 @@ READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "
 ONCE_A_STEP = {
     ("replicas/engine.py", "_step"), ("replicas/engine.py", "_denoise_and_commit"),
     ("replicas/scheduled_batch.py", "num_tokens"), ("replicas/scheduled_batch.py", "prefix_units"),
-    ("replicas/runner.py", "build_inputs"), ("replicas/runner.py", "forward"),
-    ("replicas/attention.py", "__init__"), ("algorithms/sampling.py", "greedy_tokens"),
+    ("replicas/runner.py", "build_inputs"), ("replicas/attention.py", "__init__"),
 }
-READS_A_STEP = {("replicas/engine.py", "_denoise_and_commit"): 2, ("replicas/runner.py", "forward"): 2}
-# a committed block's ids: to stream them, and to key the prefix cache with its page
-ONCE_A_BLOCK = {("replicas/engine.py", "_commit"), ("replicas/scheduler.py", "_cache_pages")}
 ROOT = str(Path(__file__).resolve().parents[2]) + "/"
 
 
@@ -65,10 +63,8 @@ def test_a_step_reads_tensors_back_no_more_than_it_does_today(counted_reads):
     counted_reads.clear()
     steps = []
     engine.generate(prompts, tiny_params(), on_step=steps.append)
-    blocks = sum(s.blocks_committed for s in steps)
-    unknown = set(counted_reads) - ONCE_A_STEP - ONCE_A_BLOCK
+    unknown = set(counted_reads) - ONCE_A_STEP
     assert not unknown, f"new places that read tensors back in a step: {sorted(unknown)}"
     for site in ONCE_A_STEP:
-        assert counted_reads[site] <= READS_A_STEP.get(site, 1) * len(steps), (site, counted_reads[site], len(steps))
-    for site in ONCE_A_BLOCK:
-        assert counted_reads[site] <= blocks, (site, counted_reads[site], blocks)
+        assert counted_reads[site] <= len(steps), (site, counted_reads[site], len(steps))
+    assert sum(s.blocks_committed for s in steps) > len(steps)  # blocks were committed: per-block reads would show
