@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import AlgorithmError, AlgorithmParams, DllmAlgorithm, check_number, register, short_repr
+from .base import AlgorithmError, DllmAlgorithm, check_number, register, short_repr
 from .fixed_steps import MAX_STEPS
 from .sampling import RowNoise, TopKTopPParams, greedy_tokens, sampling_rows, uniform_rows
 from .selection import masked_confidence, per_row, top_n
