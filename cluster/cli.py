@@ -175,6 +175,14 @@ def cmd_bench(args) -> int:
                               args.steps, args.rounds, hidden=args.hidden, layers=args.layers, heads=args.heads)
     elif args.target == "quality":
         return _bench_quality(args)
+    elif args.target == "forward":
+        from loadgen.bench.forward import bench_forward
+
+        heads = max(1, args.d_model // 64)
+        shape = {"llada": dict(d_model=args.d_model, layers=args.layers, heads=heads, mlp=int(args.d_model * 2.75)),
+                 "sdar": dict(hidden=args.d_model, layers=args.layers, heads=heads)}
+        result = bench_forward(tuple(args.architectures), tuple(args.batch_sizes), args.prompt_len, args.max_tokens,
+                               args.steps, args.rounds, **shape)
     elif args.target == "canvas":
         from loadgen.bench.canvas import bench_canvas
 
@@ -594,6 +602,26 @@ def _add_engine_benches(targets) -> None:
     canvas.add_argument("--layers", type=int, default=16, help="transformer layers (default 16)")
     canvas.add_argument("--json", action="store_true", help="one JSON object on one line")
     canvas.set_defaults(func=cmd_bench)
+
+    forward = targets.add_parser(
+        "forward", help="the engine's forward vs a plain reference forward of the same weights, per architecture",
+        description="Random LLaDA (full canvas) and SDAR (block canvas) weights; the engine runs without a KV cache "
+                    "(every forward recomputes each row's sequence) and the reference, the published models' math "
+                    "written out densely (LM head over every position), runs the same shapes. Rounds alternate "
+                    "which side goes first; project/reference forward seconds is the median over the rounds, with "
+                    "its spread (under 1: the project's forward is faster).")
+    forward.add_argument("--architectures", nargs="+", choices=["llada", "sdar"], default=["llada", "sdar"],
+                         help="random weights of these (default: both): LLaDA on its full canvas, SDAR on blocks")
+    forward.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="(default: 1 8)")
+    forward.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
+    forward.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default 128)")
+    forward.add_argument("--steps", type=int, default=4, help="fixed_steps forwards per block (default 4)")
+    forward.add_argument("--rounds", type=int, default=3, help="rounds of both sides (default 3)")
+    forward.add_argument("--d-model", type=int, default=512,
+                         help="hidden size (default 512; heads of 64; LLaDA keeps its vocabulary of 126464)")
+    forward.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    forward.add_argument("--json", action="store_true", help="one JSON object on one line")
+    forward.set_defaults(func=cmd_bench)
 
     prefix = targets.add_parser(
         "prefix", help="prefix cache on vs off: tokens/s and time to first block on a random SDAR, shared prompts",
