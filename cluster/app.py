@@ -125,6 +125,7 @@ def build_app(config: AppConfig):
         torch_threads=config.replica.torch_threads,
         stall_timeout_s=config.replica.stall_timeout_s,
         unhealthy_after_failed_steps=config.replica.unhealthy_after_failed_steps,
+        quality=config.quality_knob(),
     )
     ingress = serve.deployment(Ingress).options(**ingress_deployment_options(config))
     return ingress.bind(replica, app_args(config))

@@ -9,13 +9,14 @@ import enum
 import socket
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.auth import API_KEYS_ENV
 from cluster.request_path import RequestPath
+from replicas.quality import QualityKnob, QualityLevel
 from replicas.settings import EngineConfig
 
 
@@ -90,6 +91,54 @@ class SLOSettings(_Section):
         if self.latency_s is not None:
             return self.latency_s
         return max([SLO_FLOOR_S, *(SLO_MULTIPLE * s for s in longest_request_s)])
+
+
+class QualityLevelSettings(_Section):
+    algorithm: str = Field(description="the algorithm whose requests this level changes, e.g. low_confidence")
+    params: dict[str, Any] = Field(description="its parameters at this level, e.g. {threshold: 0.9}")
+    accuracy_loss: float = Field(
+        ge=0, description="points of accuracy this setting was measured to lose against the default "
+                          "(`dllm-serve bench quality`)")
+
+    @model_validator(mode="after")
+    def _check_params(self) -> "QualityLevelSettings":
+        from algorithms import AlgorithmError, get_algorithm
+
+        try:
+            get_algorithm(self.algorithm).make_params(self.params)
+        except AlgorithmError as exc:
+            raise ValueError(f"quality level: {exc}") from exc
+        return self
+
+
+class QualitySettings(_Section):
+    """The load knob (``replicas.quality``): while a replica predicts it drains its work in
+    more than ``raise_at`` x the SLO, requests that allow it run one level lower, and so on."""
+
+    default: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="the quality of requests that do not say (their dllm.quality): 'adaptive' ones may "
+                             "run at a degraded level under load, 'fixed' ones never do")
+    levels: list[QualityLevelSettings] = Field(
+        default_factory=list, description="the degraded settings, mildest first, each {algorithm, params, accuracy_loss} "
+                                        "(none: the knob is off)")
+    accuracy_budget: float = Field(
+        1.0, ge=0, description="points of accuracy a level may lose at most; levels that lose more are never used")
+    raise_at: float = Field(0.8, gt=0, description="one level lower while predicted drain time > this x the SLO")
+    lower_at: float = Field(0.4, ge=0, description="one level back up while predicted drain time < this x the SLO")
+    hold_s: float = Field(2.0, ge=0, description="seconds a level holds at least before the next move")
+
+    @model_validator(mode="after")
+    def _check_band(self) -> "QualitySettings":
+        if self.lower_at >= self.raise_at:
+            raise ValueError("quality.lower_at must be below quality.raise_at")
+        return self
+
+    def knob(self, slo_s: float) -> QualityKnob | None:
+        """The replicas' knob for an SLO of ``slo_s``; None when no level is configured."""
+        if not self.levels:
+            return None
+        levels = [QualityLevel(level.algorithm, level.params, level.accuracy_loss) for level in self.levels]
+        return QualityKnob(levels, slo_s, self.accuracy_budget, self.raise_at, self.lower_at, self.hold_s)
 
 
 class AutoscalingSettings(_Section):
@@ -197,6 +246,7 @@ class AppConfig(_Section):
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     slo: SLOSettings = Field(default_factory=SLOSettings)
+    quality: QualitySettings = Field(default_factory=QualitySettings)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
@@ -236,6 +286,10 @@ class AppConfig(_Section):
     @property
     def model_name(self) -> str:
         return self.served_model_name or ("tiny" if self.model == "tiny" else Path(self.model).name)
+
+    def quality_knob(self) -> QualityKnob | None:
+        """The load knob, against the configured SLO or, where it is derived, its floor."""
+        return self.quality.knob(self.slo.latency_s or SLO_FLOOR_S)
 
     @property
     def target_drain_s(self) -> float | None:

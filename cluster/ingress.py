@@ -110,6 +110,8 @@ class Ingress:
         default_name, default_params = resolve_algorithm(self.config.replica, self.spec)
         get_algorithm(default_name).make_params(default_params)  # a bad default fails at start
         self.shape = ServingShape.of(self.config.replica, self.spec)  # what the replicas serve
+        knob = self.config.quality_knob()
+        self.quality_levels = knob.levels if knob else []  # the replicas' ladder: a response names its level's
         self.admission = AdmissionController(self.config.admission, self.config.slo.latency_s,
                                              self.config.autoscaling.min_replicas,
                                              stale_after_s=stale_after_s(self.config.stats_period_s))
@@ -328,7 +330,7 @@ class Ingress:
             max_tokens=max_tokens, stop=tuple(body.stop or ()), algorithm=algorithm_name,
             algorithm_params=algorithm_params, ignore_eos=body.ignore_eos, logprobs=body.logprobs_asked,
             timeout_s=min((t for t in (self.config.request_timeout_s, body.deadline_s) if t is not None), default=None),
-            suffix_ids=suffix_ids)
+            suffix_ids=suffix_ids, adaptive=(body.quality or self.config.quality.default) == "adaptive")
         cost = self.admission.cost(head + max_tokens, block, worst, self.shape.max_cost)
         hashes = page_hashes(prompt_ids, block) if self.shape.prefix_cache else ()
         return GenerateRequest(protocol.new_id("cmpl"), prompt_ids, params, cost, hashes)
@@ -386,9 +388,8 @@ class Ingress:
         stream = self._charged_stream(rows(job, body.n), failover, decision.charge, slot)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(stream, job.request_id, chat, include_usage),
-                                     media_type="text/event-stream")
-        return await self._collect(stream, job.request_id, chat, body.n)
+            return StreamingResponse(self._sse(stream, job, chat, include_usage), media_type="text/event-stream")
+        return await self._collect(stream, job, chat, body.n)
 
     async def _unary(self, job: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The whole answer of ``job`` from one unary replica call, as a one-chunk stream."""
@@ -437,8 +438,9 @@ class Ingress:
         views = self.admission.view
         return not views or any(replica not in failed and not view.failing_steps for replica, view in views.items())
 
-    async def _collect(self, stream: AsyncIterator[tuple[int, GenerateChunk]], request_id: str, chat: bool,
+    async def _collect(self, stream: AsyncIterator[tuple[int, GenerateChunk]], job: GenerateRequest, chat: bool,
                        n: int) -> JSONResponse:
+        request_id = job.request_id
         chunks: list[list[GenerateChunk]] = [[] for _ in range(n)]
         try:
             async for index, chunk in stream:
@@ -459,11 +461,12 @@ class Ingress:
         build = protocol.chat_body if chat else protocol.completion_body
         choices = [protocol.Choice(i, a.text, a.finish_reason, self._logprobs(a, chat, 0)) for i, a in enumerate(answers)]
         return JSONResponse(build(request_id, self.config.model_name, choices, chunk=False,
-                                  usage_=_usage(answers), extra={"dllm": self._dllm_info(*answers)}))
+                                  usage_=_usage(answers), extra={"dllm": self._dllm_info(job, *answers)}))
 
-    async def _sse(self, stream: AsyncIterator[tuple[int, GenerateChunk]], request_id: str, chat: bool,
+    async def _sse(self, stream: AsyncIterator[tuple[int, GenerateChunk]], job: GenerateRequest, chat: bool,
                    include_usage: bool) -> AsyncIterator[str]:
         """One event per committed block of each choice, then ``data: [DONE]``."""
+        request_id = job.request_id
         model = self.config.model_name
         build = protocol.chat_body if chat else protocol.completion_body
         last: dict[int, GenerateChunk] = {}  # each choice's
@@ -480,7 +483,7 @@ class Ingress:
                 choice = protocol.Choice(index, chunk.text, chunk.finish_reason, logprobs, first=index not in last)
                 last[index] = chunk
                 yield protocol.sse_event(build(request_id, model, [choice], chunk=True,
-                                               extra={"dllm": self._dllm_info(chunk)}))
+                                               extra={"dllm": self._dllm_info(job, chunk)}))
         except APIError as exc:
             yield protocol.sse_event(exc.body())
         except Exception:
@@ -501,16 +504,29 @@ class Ingress:
                    for token, record in zip(chunk.token_ids, chunk.logprobs)]
         return protocol.chat_logprobs(entries) if chat else protocol.completion_logprobs(entries, text_offset)
 
-    @staticmethod
-    def _dllm_info(*chunks: GenerateChunk) -> dict:
-        """The first choice's steps, replica and engine time; with several choices, each
+    def _dllm_info(self, job: GenerateRequest, *chunks: GenerateChunk) -> dict:
+        """The first choice's steps, replica, engine time, the load knob's level it ran at
+        and its algorithm's threshold (where it has one); with several choices, each
         choice's under ``choices``."""
         def info(chunk: GenerateChunk) -> dict:
+            threshold = self._threshold(job, chunk.quality_level)
             return {"steps": chunk.steps, "block_steps": chunk.block_steps, "replica": chunk.replica,
-                    "engine_s": chunk.engine_s}
+                    "engine_s": chunk.engine_s, "quality_level": chunk.quality_level,
+                    **({} if threshold is None else {"threshold": threshold})}
 
         first = info(chunks[0])
         return first if len(chunks) == 1 else {**first, "choices": [info(c) for c in chunks]}
+
+    def _threshold(self, job: GenerateRequest, quality_level: int) -> float | None:
+        """The confidence threshold ``job`` ran with at the load knob's ``quality_level``
+        (None where its algorithm has none)."""
+        ran = job.params.algorithm_params
+        if quality_level:
+            ran = {**ran, **self.quality_levels[quality_level - 1].params}
+        if "threshold" in ran:
+            return ran["threshold"]
+        field = get_algorithm(job.params.algorithm).params_class.__dataclass_fields__.get("threshold")
+        return None if field is None else field.default
 
     # ---- cluster view and metrics -----------------------------------------------------------
     def _metrics_actor(self):

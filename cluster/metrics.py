@@ -109,6 +109,8 @@ METRICS = (
     MetricSpec("dllm_prefix_pages_hit_total", Counter, "Prefix pages found in the prefix cache (not computed again)"),
     MetricSpec("dllm_prefix_tokens_hit_total", Counter, "Prompt tokens whose KV came from the prefix cache"),
     MetricSpec("dllm_prefix_evictions_total", Counter, "Cached pages evicted to make room"),
+    MetricSpec("dllm_quality_level", Gauge, "The load knob's level: adaptive requests run at the n-th degraded setting (0: the default; replicas.quality)"),
+    MetricSpec("dllm_requests_degraded_total", Counter, "Requests started below the default quality by the load knob"),
     MetricSpec("dllm_admitted_total", Counter, "Requests admitted by the ingress", ()),
     MetricSpec("dllm_rejected_total", Counter, "Requests refused by the ingress, by reason", ("reason",)),
     MetricSpec("dllm_failovers_total", Counter, "Requests resumed on another replica after theirs failed", ()),
@@ -129,6 +131,7 @@ _GAUGE_SOURCES = {
     "dllm_free_pages": "free_pages",
     "dllm_total_pages": "total_pages",
     "dllm_cached_pages": "cached_pages",
+    "dllm_quality_level": "quality_level",
 }
 # counter name -> key of the replica's routing stats holding its total since the start
 _TOTAL_SOURCES = {
@@ -174,7 +177,8 @@ class MetricsExporter:
                           ("dllm_forward_cpu_seconds_total", "forward_cpu_s"), ("dllm_replica_cpu_seconds_total", "cpu_s"),
                           ("dllm_step_cpu_seconds_total", "step_cpu_s"),
                           ("dllm_step_seconds_total", "step_s"), ("dllm_tokens_forwarded_total", "tokens"),
-                          ("dllm_output_tokens_total", "output_tokens"), ("dllm_blocks_committed_total", "blocks")):
+                          ("dllm_output_tokens_total", "output_tokens"), ("dllm_blocks_committed_total", "blocks"),
+                          ("dllm_requests_degraded_total", "degraded")):
             m[name].labels(replica).inc(report[key])
         if report["step_s"] > 0:
             m["dllm_compute_ratio"].labels(replica).set(report["forward_s"] / report["step_s"])

@@ -66,6 +66,10 @@ class DllmExtensions(BaseModel):
     algorithm_params: dict[str, Any] | None = Field(None, description="any other algorithm parameter")
     block_length: int | None = Field(None, ge=1, le=MAX_INT, description="must equal the model's block length")
     mode: SchedulerMode | None = Field(None, description="must equal the replicas' mode")
+    quality: Literal["fixed", "adaptive"] | None = Field(
+        None, description="'adaptive': the replica may run the request at a lower confidence bar while it is "
+                          "behind (the response's dllm.quality_level says which level); 'fixed': never "
+                          "(default: the server's quality.default)")
     deadline_s: float | None = Field(
         None, gt=0, description="the latency this client accepts: refused at once (429) unless the cluster "
                                 "predicts the answer within it, and ended with 504 if it runs past it "

@@ -187,6 +187,7 @@ async def _read_stream(response: aiohttp.ClientResponse, record: Record, sent: f
         record.steps = dllm.get("steps", record.steps)
         record.replica = dllm.get("replica", record.replica)
         record.engine_s = dllm.get("engine_s", record.engine_s)
+        record.quality_level = dllm.get("quality_level", record.quality_level)
     else:
         record.error = "the stream ended before data: [DONE]"
         return
@@ -224,6 +225,7 @@ def _read_reply(reply: Reply, record: Record, latency_s: float) -> None:
     record.output_tokens, record.tokens_from = tokens, "usage"
     _read_prompt_usage(body["usage"], record)
     record.steps, record.replica, record.engine_s = dllm.get("steps"), dllm.get("replica"), dllm.get("engine_s")
+    record.quality_level = dllm.get("quality_level")
 
 
 async def send(client: HttpClient, endpoint: Endpoint, index: int, arrival: Arrival,

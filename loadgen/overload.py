@@ -27,7 +27,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from loadgen import client
-from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
+from loadgen.arrivals import poisson_times, with_prompts
 from loadgen.cli import add_endpoint_options, endpoint_from_args, positive_number, rate_list, run_command
 from loadgen.records import OK, REFUSED, Record
 from loadgen.report import format_table, number
@@ -184,10 +184,12 @@ ENGINE_FORWARD, ENGINE_STEPS, CLIENT = "engine_forward", "engine_steps", "client
 
 
 def phase_report(label: str, records: list[Record], offered_rate: float | None, slo_latency_s: float,
-                 cpu_s: dict[str, float] | None) -> dict:
+                 cpu_s: dict[str, float] | None, correct: Callable[[Record], bool] | None = None) -> dict:
     """What one phase showed; ``cpu_s``: CPU seconds per role of ``ROLES``, ``ENGINE_FORWARD``,
-    ``ENGINE_STEPS`` and ``CLIENT`` (None: not measured)."""
+    ``ENGINE_STEPS`` and ``CLIENT`` (None: not measured); ``correct``: whether a completed
+    request's answer is right (None: not graded)."""
     summary = summarize(records, offered_rate, slo_latency_s)
+    answered = [r for r in records if r.status == OK]
     refused = [r.latency_s for r in records if r.status == REFUSED]
     path = [r.latency_s - r.engine_s for r in records if r.status == OK and r.engine_s is not None]
     return {
@@ -197,6 +199,8 @@ def phase_report(label: str, records: list[Record], offered_rate: float | None, 
         "refused_latency_s": {"p50": percentile(refused, 50), "p99": percentile(refused, 99)},
         "admitted_latency_s": {"p50": summary["latency_s"]["p50"], "p99": summary["latency_s"]["p99"]},
         "path_overhead_p50_s": percentile(path, 50),
+        "accuracy": sum(map(correct, answered)) / len(answered) if correct and answered else None,
+        "degraded": sum(1 for r in answered if r.quality_level),
         "cpu_s": cpu_s,
         "control_plane_cpu_s_per_request": (sum(cpu_s[r] for r in CONTROL_PLANE) / len(records)
                                             if cpu_s and records else None),
@@ -257,7 +261,8 @@ REPORT_SETTLE_S = 1.5  # replicas report their forward and step CPU once per sta
 
 
 async def _measured(label: str, offered_rate: float | None, run: Awaitable[list[Record]], slo_latency_s: float,
-                    raylet: int | None, http: client.HttpClient) -> dict:
+                    raylet: int | None, http: client.HttpClient,
+                    correct: Callable[[Record], bool] | None = None) -> dict:
     """Run one phase; CPU is measured when ``raylet`` is known and has such processes: the
     processes' and the reported forward CPU once the phase's last reports are in."""
     before = {} if raylet is None else cluster_cpu(raylet)
@@ -272,9 +277,21 @@ async def _measured(label: str, offered_rate: float | None, run: Awaitable[list[
         cpu_s = {**cpu_delta(before, cluster_cpu(raylet)), CLIENT: client_cpu}
         for part, key in engine.items():
             cpu_s[part] = max(0.0, (await server_figure(http, key) or 0.0) - reported[part])
-    report = phase_report(label, records, offered_rate, slo_latency_s, cpu_s)
+    report = phase_report(label, records, offered_rate, slo_latency_s, cpu_s, correct)
     report["cpu_window_s"] = time.monotonic() - started  # what the CPU figures cover
     return report
+
+
+def graded_tiny_prompts(seed: int) -> tuple[list[str], Callable[[Record], bool]]:
+    """``PROMPTS`` prompts of the tiny model's task, and whether a record's answer is right
+    (a record's index picks its prompt: the loops cycle through them)."""
+    from replicas.tiny import task
+
+    requests = task.make_requests(PROMPTS, seed)
+
+    def correct(record: Record) -> bool:
+        return all(task.grade(requests[record.index % len(requests)], record.text))
+    return [request.prompt for request in requests], correct
 
 
 async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: bool = False) -> dict:
@@ -290,7 +307,7 @@ async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: b
             slo, slo_from = DEFAULT_SLO_S, "default"
         port = local_port(endpoint.url)
         raylet = None if port is None else serving_raylet(port)
-        prompts = [plan.prompt] if plan.prompt else tiny_prompts(PROMPTS, plan.seed)
+        prompts, correct = ([plan.prompt], None) if plan.prompt else graded_tiny_prompts(plan.seed)
         send = partial(client.send, http, endpoint)
 
         def progress(label: str, total: int | None) -> Progress | None:
@@ -298,17 +315,19 @@ async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: b
 
         closed = f"closed x{plan.clients}"
         phases = [await _measured(closed, None, run_closed_loop(prompts, send, plan.clients, plan.capacity_s,
-                                                                progress(closed, None)), slo, raylet, http)]
+                                                                progress(closed, None)), slo, raylet, http,
+                                 correct)]
         capacity = phases[0]["throughput_rps"]
         for load in plan.loads if capacity > 0 else ():
             rate = load * capacity
             arrivals = with_prompts(poisson_times(rate, plan.seed, plan.duration_s), prompts)
             label = f"{load:g}x"
             phases.append(await _measured(label, rate, run_open_loop(arrivals, send, progress(label, len(arrivals))),
-                                          slo, raylet, http))
+                                          slo, raylet, http, correct))
     for phase in phases:
         phase["goodput_over_capacity"] = phase["goodput_rps"] / capacity if capacity > 0 else None
     return {"url": endpoint.url, "model": endpoint.model, "api": endpoint.path, "stream": endpoint.stream,
+            "quality": endpoint.extra.get("quality"),
             "slo_latency_s": slo, "server_slo_latency_s": server,
             "slo_from": slo_from, "clients": plan.clients, "capacity_s": plan.capacity_s,
             "duration_s": plan.duration_s, "capacity_rps": capacity, "phases": phases,
@@ -345,6 +364,8 @@ _COLUMNS = (  # header, width, value of a phase report
     ("path p50 ms", 12, lambda p: _ms(p["path_overhead_p50_s"])),
     ("cp ms/req", 10, lambda p: _ms(p["control_plane_cpu_s_per_request"])),
     ("eng ms/ok", 10, lambda p: _ms(p["engine_serving_cpu_s_per_admitted"])),
+    ("acc %", 7, lambda p: number(None if p["accuracy"] is None else 100 * p["accuracy"], ".1f")),
+    ("degraded", 9, lambda p: str(p["degraded"])),
 )
 
 
@@ -359,7 +380,8 @@ def _slo_mismatch(result: dict) -> str:
 
 def format_overload(result: dict) -> str:
     lines = [f"target      {result['model']} at {result['url']}{result['api']}"
-             f" ({'streamed' if result['stream'] else 'whole answers'})",
+             f" ({'streamed' if result['stream'] else 'whole answers'}"
+             f"{', quality ' + result['quality'] if result['quality'] else ''})",
              f"SLO         latency <= {result['slo_latency_s']:g} s (from {result['slo_from']})"
              + _slo_mismatch(result),
              f"capacity    {result['capacity_rps']:.2f} req/s completed by {result['clients']} closed-loop clients "
@@ -369,7 +391,9 @@ def format_overload(result: dict) -> str:
              "latency;",
              "path: client latency - dllm.engine_s; cp: control-plane CPU (all but the engines and the client) per "
              "request sent; eng: engine CPU outside the forwards per admitted request "
-             f"(CPU {result['cpu']})"]
+             f"(CPU {result['cpu']});",
+             "acc: answers all right (tiny-task prompts); degraded: answers the server's load knob ran below the "
+             "default quality"]
     fit = result["cpu_per_outcome_s"]
     if fit:
         lines.append("CPU ms per admitted request / per refused request / per second at any load "
@@ -393,6 +417,9 @@ def add_bench_overload_parser(targets) -> None:
     add_endpoint_options(parser)
     parser.add_argument("--no-stream", dest="stream", action="store_false",
                         help="ask for whole answers (stream: false) instead of streamed blocks")
+    parser.add_argument("--quality", choices=["fixed", "adaptive"],
+                        help="send dllm.quality: 'adaptive' lets the server's load knob run requests at a lower "
+                             "confidence bar when it is behind (default: the server's quality.default)")
     parser.add_argument("--prompt", metavar="TEXT",
                         help="send this prompt every time (default: seeded prompts of the tiny model's task)")
     parser.add_argument("--clients", type=positive_number(int), default=OverloadPlan.clients, metavar="N",
@@ -417,7 +444,8 @@ def add_bench_overload_parser(targets) -> None:
 
 def run_bench_overload(args) -> int:
     def work() -> int:
-        endpoint = endpoint_from_args(args, timeout_s=args.timeout, stream=args.stream)
+        extra = {"quality": args.quality} if args.quality else {}
+        endpoint = endpoint_from_args(args, timeout_s=args.timeout, stream=args.stream, extra=extra)
         plan = OverloadPlan(args.clients, args.capacity_duration, tuple(args.loads), args.duration,
                             args.slo_latency, args.seed, args.prompt)
         result = asyncio.run(bench_overload(endpoint, plan, args.quiet))

@@ -53,6 +53,7 @@ class Record:
     steps: int | None = None
     replica: str | None = None
     engine_s: float | None = None  # the server's time in its engine (dllm-serve reports it)
+    quality_level: int | None = None  # the server's load-knob level the request ran at (dllm-serve reports it)
     retry_after_s: float | None = None
     error: str | None = None
     text: str = ""  # the answer (a chat's next turn sends it back)

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -23,6 +24,7 @@ from replicas.engine import Engine
 from replicas.limits import aligned_head, request_cost
 from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams, joined
 from replicas.monitor import ReplicaMonitor
+from replicas.quality import QualityKnob
 from replicas.reports import ReplicaStats
 from replicas.request import FinishReason
 from replicas.settings import EngineConfig
@@ -36,7 +38,8 @@ class EngineReplica:
     def __init__(self, model: str, config: EngineConfig, metrics_actor: dict | None = None,
                  stats_period_s: float = 0.5, initial_row_steps_per_s: float = 500.0,
                  torch_threads: int | None = None, stall_timeout_s: float = 30.0,
-                 unhealthy_after_failed_steps: int = 3):
+                 unhealthy_after_failed_steps: int = 3, quality: QualityKnob | None = None):
+        """``quality``: the load knob (``replicas.quality``); None: requests always run as asked."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.replica_id = self._replica_tag()
@@ -45,6 +48,7 @@ class EngineReplica:
         self.engine = engine
         self.monitor = ReplicaMonitor(initial_row_steps_per_s, cost_model=engine.cost_model,
                                       longest_blocks=max(1, engine.shape.max_pages_per_request - 1))  # one prompt page
+        self.quality = quality
         self._refresh_gauges()
         self.stall_timeout_s = stall_timeout_s
         self.unhealthy_after_failed_steps = unhealthy_after_failed_steps
@@ -89,14 +93,14 @@ class EngineReplica:
         start = time.monotonic()
         request_id = request.request_id
         try:
-            params = request.params
+            params, level = self._quality_for(request.params)
             cost = request.cost if request.cost is not None else self.worst_case_cost(request.prompt_ids, params)
             stream = self.async_engine.generate(request.prompt_ids, params, request_id)
             first_block = None
         except RequestError as exc:
             yield GenerateChunk.refusal(str(exc))
             return
-        self.monitor.request_started(request_id, cost)
+        self.monitor.request_started(request_id, cost, level)
         reason, tokens, blocks = FinishReason.ABORT.value, 0, 0
         try:
             async for chunk in stream:
@@ -107,12 +111,20 @@ class EngineReplica:
                 if chunk.finished:
                     reason = chunk.finish_reason
                     blocks = 0 if chunk.error else len(chunk.block_steps)
-                yield chunk
+                yield replace(chunk, quality_level=level) if level else chunk
         except RequestError as exc:
             reason = FinishReason.ERROR.value
             yield GenerateChunk.refusal(str(exc))
         finally:
             self.monitor.request_finished(request_id, reason, time.monotonic() - start, first_block, tokens, blocks)
+
+    def _quality_for(self, params: SamplingParams) -> tuple[SamplingParams, int]:
+        """The request's parameters at the load knob's level, which its arrival updates."""
+        if self.quality is None or not params.adaptive:
+            return params, 0
+        self.quality.observe(self.monitor.predicted_drain_s())
+        algorithm, _ = self.engine.algorithm_for(params)
+        return self.quality.apply(params, algorithm.name)
 
     async def generate_unary(self, request: GenerateRequest) -> GenerateChunk:
         """The whole answer of a tokenized request as one chunk (``messages.joined``), for
@@ -133,6 +145,8 @@ class EngineReplica:
         scheduler, pool, cache = self.engine.scheduler, self.engine.pool, self.engine.pool.cache
         self.monitor.set_gauges(waiting=len(scheduler.waiting), running=len(scheduler.running),
                                 free_pages=pool.num_unheld, total_pages=pool.capacity)
+        if self.quality is not None:  # the level also comes back when no adaptive request arrives
+            self.monitor.set_gauges(quality_level=self.quality.observe(self.monitor.predicted_drain_s()))
         if cache is not None:
             totals = cache.totals
             self.monitor.set_gauges(cached_pages=cache.num_pages, prefix_pages_looked_up=totals.pages_looked_up,

@@ -38,6 +38,8 @@ class SamplingParams:
     # infilling: tokens fixed on the canvas after the answer's blocks, which the model fills
     # in between (a bidirectional model on the full canvas only)
     suffix_ids: tuple[int, ...] = ()
+    # the request may run at a lower confidence bar while the replica is behind (``replicas.quality``)
+    adaptive: bool = False
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -80,6 +82,7 @@ class GenerateChunk:
     replica: str = ""
     engine_s: float = 0.0  # seconds since the replica received the request
     logprobs: list[TokenLogprob | None] | None = None  # one per token id, when the request asked
+    quality_level: int = 0  # the load knob's level the request ran at (``replicas.quality``; 0: the default)
 
     @classmethod
     def refusal(cls, message: str) -> "GenerateChunk":

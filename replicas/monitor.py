@@ -66,6 +66,7 @@ class ReplicaMonitor:
         self._ttfb: list[float] = []
         self._output_tokens = 0
         self._finished: Counter = Counter()
+        self._degraded = 0  # requests started below the default quality
 
     # ---- inputs ---------------------------------------------------------------------
     def on_step(self, stats: StepStats, busy_period_s: float | None = None) -> None:
@@ -95,10 +96,12 @@ class ReplicaMonitor:
         with self._lock:
             self._gauges.update(gauges)
 
-    def request_started(self, request_id: str, cost: float) -> None:
+    def request_started(self, request_id: str, cost: float, quality_level: int = 0) -> None:
+        """``quality_level``: the load knob's level it runs at (``replicas.quality``)."""
         with self._lock:
             self._debt[request_id] = (cost, 0)
             self._calibration.starts.append(time.time())
+            self._degraded += quality_level > 0
 
     def request_progressed(self, request_id: str, steps: int) -> None:
         with self._lock:
@@ -136,6 +139,12 @@ class ReplicaMonitor:
         return {**model.as_stats(), "drain_row_steps_per_s": model.rate(),
                 **({} if alone is None else {"longest_request_s": alone})}
 
+    def predicted_drain_s(self) -> float:
+        """Seconds until the replica drains what it owes, at its full-batch drain rate."""
+        rate = self._drain()["drain_row_steps_per_s"]
+        with self._lock:
+            return self._step_debt() / rate
+
     def routing_stats(self) -> dict:
         drain = self._drain()
         steps_per_block = self.cost_model.steps_per_block_counts() if self.cost_model else {}
@@ -172,7 +181,7 @@ class ReplicaMonitor:
                 "tokens": self._tokens, "blocks": self._blocks, "output_tokens": self._output_tokens,
                 "overheads_s": self._overheads, "batch_sizes": self._batch_sizes,
                 "block_steps": self._block_steps, "latencies_s": self._latencies,
-                "time_to_first_block_s": self._ttfb, "finished": dict(self._finished),
+                "time_to_first_block_s": self._ttfb, "finished": dict(self._finished), "degraded": self._degraded,
                 "gauges": snapshot, "calibration": self._calibration.take_new(),
             }
             self._reported_cpu_s = cpu_s

@@ -63,6 +63,7 @@ class ReplicaStats(BaseModel):
     prefix_pages_hit: int = 0
     prefix_tokens_hit: int = 0
     prefix_evictions: int = 0
+    quality_level: int = 0  # the load knob's level now (``replicas.quality``; 0: the default)
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -22,8 +22,8 @@ def test_report_becomes_series():
     for _ in range(3):
         monitor.on_step(StepStats(batch_size=4, active_rows=4, num_tokens=64, forward_s=0.009, step_s=0.01,
                                   waiting=2, running=4, blocks_committed=1, block_steps=(3,)))
-    monitor.set_gauges(waiting=2, running=4, free_pages=90, total_pages=100)
-    monitor.request_started("a", cost=50)
+    monitor.set_gauges(waiting=2, running=4, free_pages=90, total_pages=100, quality_level=2)
+    monitor.request_started("a", cost=50, quality_level=1)  # degraded by the load knob
     monitor.request_progressed("a", 20)
     monitor.request_started("b", cost=10)
     monitor.request_finished("b", "stop", latency_s=0.5, time_to_first_block_s=0.1, output_tokens=16)
@@ -36,6 +36,8 @@ def test_report_becomes_series():
     assert sample(text, "dllm_step_debt", 'replica="r1"') == 30  # 50 - 20; b has ended
     assert sample(text, "dllm_step_queue_length", 'replica="r1"') == 2
     assert sample(text, "dllm_free_pages", 'replica="r1"') == 90
+    assert sample(text, "dllm_quality_level", 'replica="r1"') == 2
+    assert sample(text, "dllm_requests_degraded_total", 'replica="r1"') == 1
     assert abs(sample(text, "dllm_compute_ratio", 'replica="r1"') - 0.9) < 1e-9
     assert sample(text, "dllm_dispatch_overhead_seconds_count", 'replica="r1"') == 3
     assert sample(text, "dllm_requests_total", 'finish_reason="stop",replica="r1"') == 1

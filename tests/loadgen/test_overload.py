@@ -16,6 +16,7 @@ from loadgen import overload
 from loadgen.client import Endpoint
 from loadgen.records import ERROR, OK, REFUSED, Record
 from loadgen.loops import run_closed_loop
+from replicas.tiny import task
 from tests.loadgen.http_stand_in import stand_in
 
 
@@ -144,6 +145,19 @@ def test_cpu_per_admitted_and_per_refused_request_is_fitted_over_the_phases():
     assert fit["ingress"] == pytest.approx({"admitted": 0.003, "refused": 0.0005, "per_second": 0.02})
     assert fit["control_plane"] == fit["ingress"]
     assert overload.cpu_per_outcome(phases[:2]) is None  # two phases cannot split three figures
+
+
+def test_answers_are_graded_and_degraded_ones_counted():
+    prompts, correct = overload.graded_tiny_prompts(seed=3)
+    right = task.make_requests(overload.PROMPTS, 3)[1]
+    answer = " ".join(right.solutions)
+    assert prompts[1] == right.prompt
+    out = records()
+    out[1].text, out[1].quality_level = answer, 2  # right, and run by the load knob below the default
+    assert correct(out[1]) and not correct(out[0])
+    report = overload.phase_report("2x", out[:10], 5.0, slo_latency_s=4.0, cpu_s=None, correct=correct)
+    assert report["accuracy"] == pytest.approx(1 / 6) and report["degraded"] == 1
+    assert overload.phase_report("2x", out[:10], 5.0, 4.0, None)["accuracy"] is None  # not graded
 
 
 def test_phase_report_without_cpu_or_answers():
