@@ -96,7 +96,8 @@ def run_bench_calibration(args) -> int:
 
 _SIM_COLUMNS = {
     "sweep": ["policy", "rate", "completed", "refused", "latency_mean_s", "latency_p50_s", "latency_p90_s",
-              "latency_p99_s", "ttfb_p50_s", "throughput_rps", "goodput_rps", "slo_attainment", "fill_timeout_s"],
+              "latency_p99_s", "ttfb_p50_s", "throughput_rps", "goodput_rps", "slo_attainment", "fill_timeout_s",
+              "degraded"],
     "max_rate": ["policy", "replicas", "max_rate"],
     "replicas": ["policy", "rate", "replicas"],
     "tau": ["rate", "analytic_tau_s", "best_tau_s", "analytic_latency_s", "best_latency_s", "gap_percent"],
@@ -108,8 +109,11 @@ def run_simulate(args) -> int:
     rates = args.sweep or ([args.rate] if args.rate is not None else [])
     if any(not r > 0 for r in rates):
         raise ValueError("arrival rates must be > 0 requests per second")
-    if (args.find_max_rate or args.find_replicas or args.max_step_debt == "slo") and args.slo_latency is None:
-        raise ValueError("--find-max-rate, --find-replicas and --max-step-debt slo need --slo-latency")
+    if (args.find_max_rate or args.find_replicas or args.max_step_debt == "slo" or args.quality_steps) \
+            and args.slo_latency is None:
+        raise ValueError("--find-max-rate, --find-replicas, --max-step-debt slo and --quality-steps need --slo-latency")
+    if args.quality_steps and not all(0 < r <= 1 for r in args.quality_steps):
+        raise ValueError("--quality-steps ratios must be in (0, 1]: a level takes at most the default's steps")
     if args.plot and (args.find_max_rate or args.find_replicas or args.tau_table or args.trace):
         raise ValueError("--plot draws a rate sweep: use it with --rate/--sweep only")
     if args.calibration:
@@ -127,6 +131,8 @@ def run_simulate(args) -> int:
         except ValueError:
             raise ValueError(f"--max-step-debt expects a number of row-steps or 'slo', got {debt!r}") from None
     options = {"fill_timeout": args.fill_timeout, "fdfo_fill_hold": args.fdfo_hold, "max_step_debt": debt}
+    if args.quality_steps:
+        options["knob"] = sim.KnobModel(tuple(args.quality_steps), args.slo_latency)
     common = {"requests": args.requests, "seed": args.seed}
     slo = {"slo_latency": args.slo_latency, "attainment": args.slo_attainment}
     if args.tau_table:
@@ -210,6 +216,11 @@ def add_simulate_parser(commands) -> None:
     parser.add_argument("--max-step-debt", metavar="ROW_STEPS|slo",
                      help="admission: row-steps the cluster may owe per replica, or 'slo' for full-batch drain "
                           "rate x --slo-latency (default: admit everything)")
+    parser.add_argument("--quality-steps", type=float, nargs="+", metavar="RATIO",
+                        help="the load knob on every replica (replicas.quality, its default bands and hold): one "
+                             "ratio per level of its steps per block to the default setting's (e.g. from `dllm-serve "
+                             "bench quality`: 0.935 0.82 for thresholds 0.8 and 0.5 of the tiny model); every request "
+                             "allows it; needs --slo-latency")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     parser.add_argument("--plot", metavar="PNG", help="write mean and p99 latency vs rate per policy (with --sweep)")
     parser.set_defaults(func=run_simulate)

@@ -41,6 +41,7 @@ from loadgen.capacity.calibration import Calibration, LoadCosts
 from replicas.batching import MODES, Phase, RowAction, SchedulerMode, batching_policy
 from replicas.fill_timeout import batch_capacity, fdfo_hold, optimal_fill_timeout
 from replicas.limits import request_cost, steps_quantile
+from replicas.quality import QualityKnob, QualityLevel
 
 
 # ---- workloads -------------------------------------------------------------------------
@@ -157,6 +158,34 @@ class ReplayedSteps:
         return ends
 
 
+# ---- the load knob ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KnobModel:
+    """The load knob (``replicas.quality``) in the simulator: each replica moves a knob as
+    the engine replica does, on its step debt over its full-batch drain rate, and a request
+    that arrives while its replica's knob is at level n runs every block in
+    ``step_ratios[n - 1]`` x the steps drawn for it (rounded at random to keep the mean;
+    the ratio of the level's steps per block to the default's, e.g. from `dllm-serve bench
+    quality`). Every request allows it."""
+
+    step_ratios: tuple[float, ...]
+    slo_s: float
+    raise_at: float = 0.8
+    lower_at: float = 0.4
+    hold_s: float = 2.0
+
+    def knob(self, clock: Callable[[], float]) -> QualityKnob:
+        levels = [QualityLevel("", {}, 0.0) for _ in self.step_ratios]
+        return QualityKnob(levels, self.slo_s, raise_at=self.raise_at, lower_at=self.lower_at, hold_s=self.hold_s,
+                           clock=clock)
+
+
+def _scaled(steps: list[int], ratio: float, rng: np.random.Generator) -> list[int]:
+    """``steps`` x ``ratio``, each rounded up or down at random so that the mean is kept, at least 1."""
+    scaled = np.asarray(steps, dtype=float) * ratio
+    return np.maximum(1, np.floor(scaled + rng.random(len(steps)))).astype(int).tolist()
+
+
 # ---- one replica -------------------------------------------------------------------------
 class _Ledger:
     """What the run records, shared by the replicas: per-request times and charges."""
@@ -172,6 +201,7 @@ class _Ledger:
         self.ttfb = [math.nan] * n
         self.finish = [math.nan] * n
         self.replica = [-1] * n
+        self.level = [0] * n  # the load knob's level each request ran at
 
 
 class _Replica:
@@ -287,6 +317,7 @@ class SimResult:
     refused: np.ndarray  # bool
     replica: np.ndarray  # int, -1 if refused
     fill_timeout: float | None  # the τ fixed_fill used
+    quality_level: np.ndarray | None = None  # int: the load knob's level each request ran at (None: no knob)
 
 
 def admission_cost(calibration: Calibration | Mapping, quantile: float = 1.0) -> float:
@@ -299,14 +330,15 @@ def admission_cost(calibration: Calibration | Mapping, quantile: float = 1.0) ->
 def simulate(calibration: Calibration | Mapping, workload: Workload, policy: str, replicas: int = 1,
              fill_timeout: float | None = None, fdfo_fill_hold: bool = True,
              max_step_debt: float | None = None, cost_quantile: float = 1.0,
-             step_costs: StepCosts | None = None) -> SimResult:
+             step_costs: StepCosts | None = None, knob: KnobModel | None = None) -> SimResult:
     """Run ``workload`` through ``replicas`` replicas of scheduler mode ``policy``.
 
     ``fill_timeout``: fixed_fill's τ in seconds (None: the analytic τ at the per-replica
     rate). ``fdfo_fill_hold``: fdfo holds under-filled steps by the fill-hold rule (the
     engine's default). ``max_step_debt``: row-steps the cluster may owe per replica (None:
     admit all). ``step_costs``: where step costs come from (None: the calibration's, see
-    ``CalibratedSteps``; ``ReplayedSteps`` replays a measured run).
+    ``CalibratedSteps``; ``ReplayedSteps`` replays a measured run). ``knob``: the load
+    knob on every replica (None: none).
     """
     if policy not in MODES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(MODES)}")
@@ -336,6 +368,10 @@ def simulate(calibration: Calibration | Mapping, workload: Workload, policy: str
     wake = [math.inf] * replicas  # when each replica acts next
     events: list[tuple[float, int]] = []
     turn = 0
+    now = [0.0]  # the arrival being routed: the knobs' clock
+    knobs = [knob.knob(lambda: now[0]) for _ in fleet] if knob else []
+    drain_rate = max_batch / (c0 + c1 * max_batch)  # row-steps per second at full batch
+    knob_rng = np.random.default_rng([workload.seed, 3])
 
     def act_before(t: float) -> None:
         """Every replica decision due before ``t`` (arrivals at t join decisions at t)."""
@@ -354,6 +390,12 @@ def simulate(calibration: Calibration | Mapping, workload: Workload, policy: str
         tied = [i for i, r in enumerate(fleet) if r.debt <= least + 1e-9]
         target = tied[turn % len(tied)]
         turn += 1
+        if knobs:
+            now[0] = t
+            level = knobs[target].observe(fleet[target].debt / drain_rate)
+            if level:
+                ledger.steps[req] = _scaled(ledger.steps[req], knob.step_ratios[level - 1], knob_rng)
+                ledger.level[req] = level
         fleet[target].enqueue(req)
         ledger.replica[req] = target
         if fleet[target].free_at <= t and wake[target] != t:
@@ -363,7 +405,8 @@ def simulate(calibration: Calibration | Mapping, workload: Workload, policy: str
     replica = np.asarray(ledger.replica)
     overhead = rng.choice(cal.request_overhead_s, size=len(workload.arrival))
     return SimResult(workload.arrival, np.asarray(ledger.finish) - workload.arrival + overhead,
-                     np.asarray(ledger.ttfb) + overhead, replica < 0, replica, tau)
+                     np.asarray(ledger.ttfb) + overhead, replica < 0, replica, tau,
+                     np.asarray(ledger.level) if knob else None)
 
 
 # ---- summaries -------------------------------------------------------------------------------
@@ -385,6 +428,8 @@ def summarize(result: SimResult, slo_latency: float | None = None) -> dict:
             summary[f"{name}_p{q}_s"] = float(np.percentile(values, q)) if done.any() else None
         summary[f"{name}_mean_s"] = float(values.mean()) if done.any() else None
     summary["throughput_rps"] = summary["completed"] / span if span > 0 else 0.0
+    if result.quality_level is not None:
+        summary["degraded"] = int((result.quality_level[done] > 0).sum())
     if slo_latency is not None:
         summary["slo_attainment"] = slo_attainment(result, slo_latency)
         summary["goodput_rps"] = float((result.latency[done] <= slo_latency).sum()) / span if span > 0 else 0.0

@@ -9,7 +9,7 @@ import pytest
 from cluster.cli import main
 from loadgen.capacity.calibration import (DEFAULT_CALIBRATION, LoadCosts, fit_calibration,
                                           load_calibration, save_calibration)
-from loadgen.capacity.simulator import (CalibratedSteps, Workload, find_max_rate, find_replicas, fixed_fill_capacity,
+from loadgen.capacity.simulator import (CalibratedSteps, KnobModel, Workload, find_max_rate, find_replicas, fixed_fill_capacity,
                                         poisson_workload, run, simulate, slo_attainment, summarize, throughput_bound,
                                         trace_workload)
 from loadgen.capacity.step_cost import fit_step_cost_by_load, fit_step_cost_with_prefill, step_calibration
@@ -93,6 +93,20 @@ def test_refusals_only_beyond_capacity():
     assert simulate(CAL, over, "fdfo", **NO_HOLD).refused.sum() == 0  # no bound: everything is admitted
     light = poisson_workload(CAL, 0.2 * throughput_bound(CAL), 2000, seed=6)
     assert simulate(CAL, light, "fdfo", max_step_debt=500.0, **NO_HOLD).refused.sum() == 0
+
+
+def test_the_load_knob_serves_more_under_overload_and_nothing_changes_under_light_load():
+    slo = 2.0
+    bound = CAL.max_batch / (CAL.c0 + CAL.c1 * CAL.max_batch) * slo  # admission as --max-step-debt slo
+    knob = KnobModel((0.9, 0.6), slo_s=slo, hold_s=0.5)
+    over = poisson_workload(CAL, 3 * throughput_bound(CAL), 3000, seed=6)
+    plain, knobbed = (simulate(CAL, over, "fdfo", max_step_debt=bound, knob=k, **NO_HOLD) for k in (None, knob))
+    assert plain.quality_level is None and set(np.unique(knobbed.quality_level)) >= {1, 2}
+    plain_good, knob_good = (summarize(r, slo)["goodput_rps"] for r in (plain, knobbed))
+    assert knob_good > 1.1 * plain_good and summarize(knobbed, slo)["degraded"] > 0
+    light = poisson_workload(CAL, 0.3 * throughput_bound(CAL), 2000, seed=6)
+    calm = simulate(CAL, light, "fdfo", max_step_debt=bound, knob=knob, **NO_HOLD)
+    assert not calm.quality_level.any()
 
 
 def test_routing_spreads_load_over_replicas():
@@ -325,7 +339,8 @@ def test_cli_find_replicas_table(capsys):
     ["simulate", "--rate", "1", "--calibration", "/nonexistent.json"],
     ["simulate", "--rate", "1", "--max-step-debt", "lots"],
     ["simulate", "--find-replicas", "--sweep", "1", "2", "--slo-latency", "1"],
-    ["simulate", "--trace", "/nonexistent.jsonl"]])
+    ["simulate", "--trace", "/nonexistent.jsonl"], ["simulate", "--rate", "1", "--quality-steps", "0.9"],
+    ["simulate", "--rate", "1", "--slo-latency", "1", "--quality-steps", "1.5"]])
 def test_cli_bad_input_is_an_error_not_a_traceback(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
