@@ -188,6 +188,7 @@ class Engine:
         (outside the forward); ``steps=-1``: every step; 0: none."""
         self._faults_to_inject = steps
 
+    @torch.inference_mode()  # no autograd bookkeeping on the step's many small tensor ops
     def step(self) -> StepStats | None:
         """One step. A failure outside the forward and the algorithms fails the step's rows
         as a replica fault (their callers may resume them elsewhere) and is counted in
