@@ -99,6 +99,10 @@ class QualityLevelSettings(_Section):
     accuracy_loss: float = Field(
         ge=0, description="points of accuracy this setting was measured to lose against the default "
                           "(`dllm-serve bench quality`)")
+    step_ratio: float = Field(
+        1.0, gt=0, le=1, description="its steps per block over the default setting's, as measured (`dllm-serve "
+                                     "bench quality`): admission charges an adaptive request that fraction while "
+                                     "every replica runs at this level or lower")
 
     @model_validator(mode="after")
     def _check_params(self) -> "QualityLevelSettings":
@@ -137,7 +141,8 @@ class QualitySettings(_Section):
         """The replicas' knob for an SLO of ``slo_s``; None when no level is configured."""
         if not self.levels:
             return None
-        levels = [QualityLevel(level.algorithm, level.params, level.accuracy_loss) for level in self.levels]
+        levels = [QualityLevel(level.algorithm, level.params, level.accuracy_loss, level.step_ratio)
+                  for level in self.levels]
         return QualityKnob(levels, slo_s, self.accuracy_budget, self.raise_at, self.lower_at, self.hold_s)
 
 

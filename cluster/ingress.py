@@ -29,6 +29,7 @@ here, reported with each call, are left to finish); no request waits on the metr
 import asyncio
 import functools
 import logging
+import math
 import secrets
 import time
 from collections import Counter
@@ -332,8 +333,19 @@ class Ingress:
             timeout_s=min((t for t in (self.config.request_timeout_s, body.deadline_s) if t is not None), default=None),
             suffix_ids=suffix_ids, adaptive=(body.quality or self.config.quality.default) == "adaptive")
         cost = self.admission.cost(head + max_tokens, block, worst, self.shape.max_cost)
+        if params.adaptive:
+            cost = self._adaptive_cost(cost, algorithm_name)
         hashes = page_hashes(prompt_ids, block) if self.shape.prefix_cache else ()
         return GenerateRequest(protocol.new_id("cmpl"), prompt_ids, params, cost, hashes)
+
+    def _adaptive_cost(self, cost: int, algorithm: str) -> int:
+        """An adaptive request's charge while the replicas run degraded: ``cost`` at the
+        level of the least degraded replica (its setting takes fewer steps a block), where
+        that level changes the request's algorithm."""
+        level = min((view.quality_level for view in self.admission.view.values()), default=0)
+        if not 0 < level <= len(self.quality_levels) or self.quality_levels[level - 1].algorithm != algorithm:
+            return cost
+        return max(1, math.ceil(cost * self.quality_levels[level - 1].step_ratio))
 
     def _suffix_ids(self, body: protocol.SamplingFields) -> tuple[int, ...]:
         """A completion's suffix (infilling), tokenized; 400 where the replicas cannot infill."""

@@ -28,6 +28,7 @@ class QualityLevel:
     algorithm: str  # the algorithm whose requests this level changes
     params: dict[str, Any]  # its parameters at this level, e.g. {"threshold": 0.9}
     accuracy_loss: float  # points below the default setting, as measured
+    step_ratio: float = 1.0  # its steps per block over the default setting's, as measured
 
 
 class QualityKnob:

@@ -4,6 +4,8 @@ the threshold the request ran with."""
 
 import asyncio
 import json
+import math
+import time
 
 import pytest
 
@@ -52,6 +54,28 @@ def test_the_response_names_the_level_and_threshold_it_ran_with(replica, default
     by_default = dllm_block(plain, instance)
     assert by_default["quality_level"] == (1 if default == "adaptive" else 0)
     assert asked == [default == "adaptive"] * 2 + [True, False, default == "adaptive"]
+
+
+def test_while_the_replicas_run_degraded_admission_charges_adaptive_requests_the_levels_steps(replica):
+    levels = [{**LEVELS[0], "step_ratio": 0.5}]
+    costs = {}  # quality asked -> the charge the replica received
+
+    def generate(job):
+        costs[job.params.adaptive] = job.cost
+        return replica.generate(job)
+
+    plain, instance = ingress_over(generate, **{"quality.levels": levels})
+
+    def charges(level: int) -> tuple[float, float]:
+        instance.admission.update_view({"r1": {"quality_level": level, "stats_time": time.time()}})
+        for quality in ("fixed", "adaptive"):
+            dllm_block(plain, instance, quality=quality)
+        return costs[False], costs[True]
+
+    fixed, adaptive = charges(0)
+    assert adaptive == fixed  # the replicas run the default: so is the charge
+    fixed, adaptive = charges(1)
+    assert adaptive == math.ceil(fixed * 0.5) and fixed > 1
 
 
 def test_a_level_with_bad_parameters_or_a_band_upside_down_is_a_config_error():
