@@ -253,8 +253,7 @@ class Engine:
             return []
         if len(requests) < batch.advances.numel():  # idle rows (sync, static) computed but not advanced
             logits = logits[batch.advances]
-        rows = torch.tensor([r.row for r in requests])
-        page_indices = torch.tensor([r.active_page_index for r in requests])
+        rows, page_indices = torch.tensor([[r.row for r in requests], [r.active_page_index for r in requests]])
         blocks = self.rows.blocks(rows, page_indices).to(logits.device)
         fed_masks = (blocks == self.spec.mask_token_id).any(-1)
         asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
@@ -314,25 +313,29 @@ class Engine:
     def _run_algorithms(self, requests: list[Request], logits: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """One algorithm step per block, in place; [R] bool: the block is done. A failing
         algorithm fails its requests (their blocks stay not done)."""
-        done = torch.zeros(len(requests), dtype=torch.bool, device=blocks.device)
         groups = self._group_by_algorithm(requests)
+        if len(groups) == 1:  # the common case: the whole batch, no gather or scatter
+            [algorithm] = groups
+            return self._step_algorithm(algorithm, requests, logits, blocks)
+        done = torch.zeros(len(requests), dtype=torch.bool, device=blocks.device)
         for algorithm, members in groups.items():
-            whole = len(groups) == 1  # the common case: no gather/scatter of the group
-            index = slice(None) if whole else torch.tensor(members)
-            sub_blocks = blocks if whole else blocks[index]
-            try:
-                done[index] = algorithm.step(
-                    logits[index], sub_blocks, self.spec.mask_token_id,
-                    [requests[i].algorithm_params for i in members],
-                    [requests[i].algorithm_state for i in members])
-            except Exception as exc:
-                log.exception("algorithm %s failed", algorithm.name)
-                for i in members:
-                    self._fail(requests[i], f"algorithm {algorithm.name} failed: {exc}")
-                continue
-            if not whole:
-                blocks[index] = sub_blocks
+            index = torch.tensor(members, device=blocks.device)
+            sub_blocks = blocks[index]
+            done[index] = self._step_algorithm(algorithm, [requests[i] for i in members], logits[index], sub_blocks)
+            blocks[index] = sub_blocks
         return done
+
+    def _step_algorithm(self, algorithm: DllmAlgorithm, requests: list[Request], logits: torch.Tensor,
+                        blocks: torch.Tensor) -> torch.Tensor:
+        """``algorithm``'s step over its rows; a failure fails them (none done)."""
+        try:
+            return algorithm.step(logits, blocks, self.spec.mask_token_id, [r.algorithm_params for r in requests],
+                                  [r.algorithm_state for r in requests])
+        except Exception as exc:
+            log.exception("algorithm %s failed", algorithm.name)
+            for request in requests:
+                self._fail(request, f"algorithm {algorithm.name} failed: {exc}")
+            return torch.zeros(len(requests), dtype=torch.bool, device=blocks.device)
 
     @staticmethod
     def _group_by_algorithm(rows: list[Request]) -> dict:

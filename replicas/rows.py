@@ -61,8 +61,9 @@ class RowTable:
         """Put a new masked block on ``pages[i]`` at page index ``page_indices[i]`` of row
         ``rows[i]``, but for its first ``keep[i]`` tokens (an aligned prompt's end): one
         vectorized write for all the blocks a step starts."""
-        index = (torch.tensor(rows), torch.tensor(page_indices))
-        self.page_table[index] = torch.tensor(pages)
+        where = torch.tensor([rows, page_indices, pages])
+        index = (where[0], where[1])
+        self.page_table[index] = where[2]
         if not any(keep):  # the common case: whole blocks of masks
             self.tokens[index] = mask_id
             return

@@ -333,18 +333,18 @@ class Scheduler:
             if not idle:
                 self.stepped.append(request)
 
-        def as_tensor(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype)
-
+        # two tensors made, their rows viewed (each torch.tensor call costs more than the values)
+        units = torch.tensor([unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch], dtype=torch.long)
+        blocks = torch.tensor([advances, steps_in_block], dtype=torch.long)
         return ScheduledBatch(
             num_rows=len(self.scheduled),
-            unit_row=as_tensor(unit_row),
-            unit_page_index=as_tensor(unit_page_index),
-            unit_count=as_tensor(unit_count),
-            unit_is_block=as_tensor(unit_is_block, torch.bool),
-            unit_scratch=as_tensor(unit_scratch, torch.bool),
-            advances=as_tensor(advances, torch.bool),
-            steps_in_block=as_tensor(steps_in_block),
+            unit_row=units[0],
+            unit_page_index=units[1],
+            unit_count=units[2],
+            unit_is_block=units[3].bool(),
+            unit_scratch=units[4].bool(),
+            advances=blocks[0].bool(),
+            steps_in_block=blocks[1],
         )
 
     @staticmethod
