@@ -15,6 +15,7 @@ quality never changes. A request keeps the level it started with.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -43,17 +44,25 @@ class QualityKnob:
         self.clock = clock
         self.level = 0  # 0: the default setting; n: ``levels[n - 1]``
         self._moved_at = -float("inf")
+        self._lock = threading.Lock()  # arrivals and the stats thread both observe
+
+    def __getstate__(self) -> dict:  # built by the cluster, sent to each replica
+        return {name: value for name, value in vars(self).items() if name != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state, _lock=threading.Lock())
 
     def observe(self, predicted_drain_s: float) -> int:
         """Move a level if the prediction says so and the last move has held; the level."""
-        now = self.clock()
-        if now - self._moved_at < self.hold_s:
+        with self._lock:
+            now = self.clock()
+            if now - self._moved_at < self.hold_s:
+                return self.level
+            if predicted_drain_s > self.raise_at * self.slo_s and self.level < len(self.levels):
+                self.level, self._moved_at = self.level + 1, now
+            elif predicted_drain_s < self.lower_at * self.slo_s and self.level > 0:
+                self.level, self._moved_at = self.level - 1, now
             return self.level
-        if predicted_drain_s > self.raise_at * self.slo_s and self.level < len(self.levels):
-            self.level, self._moved_at = self.level + 1, now
-        elif predicted_drain_s < self.lower_at * self.slo_s and self.level > 0:
-            self.level, self._moved_at = self.level - 1, now
-        return self.level
 
     def apply(self, params: SamplingParams, algorithm: str) -> tuple[SamplingParams, int]:
         """``params`` of a request running ``algorithm`` at the current level, and the level

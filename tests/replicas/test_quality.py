@@ -3,6 +3,7 @@ with hysteresis, only requests that allow it are degraded, and a replica under a
 runs its adaptive requests at the degraded setting and comes back when the load falls."""
 
 import asyncio
+import pickle
 
 import pytest
 
@@ -46,6 +47,8 @@ def test_only_adaptive_requests_of_the_levels_algorithm_change():
     assert knob.apply(SamplingParams(algorithm_params={"threshold": 0.95}), "low_confidence") == (
         SamplingParams(algorithm_params={"threshold": 0.95}), 0)  # fixed
     assert knob.apply(adaptive, "fast_dllm_threshold")[1] == 0  # another algorithm
+    again = pickle.loads(pickle.dumps(knob))  # as the cluster sends it to each replica
+    assert again.level == 1 and again.apply(adaptive, "low_confidence")[1] == 1 and again.observe(0.0) == 0
     with pytest.raises(ValueError, match="below raise_at"):
         QualityKnob(LADDER, slo_s=1.0, raise_at=0.5, lower_at=0.5)
 
