@@ -218,7 +218,7 @@ class Engine:
             raise InjectedFault("a fault injected by inject_faults")
         forward_cpu = time.thread_time()
         try:
-            logits, forward_s = self.runner.forward(batch)
+            logits, forward_timer = self.runner.forward(batch)
             forward_cpu = time.thread_time() - forward_cpu
         except Exception as exc:  # a broken forward fails its rows, never the engine
             log.exception("forward failed; failing %d requests", batch.num_rows)
@@ -230,7 +230,7 @@ class Engine:
             batch_size=batch.num_rows,
             active_rows=int(batch.advances.sum()),
             num_tokens=batch.num_tokens,
-            forward_s=forward_s,
+            forward_s=forward_timer.seconds(),
             step_s=time.perf_counter() - start,
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),

@@ -46,6 +46,33 @@ KV_CACHE_MODES = ("prefix", "none")
 CANVASES = ("block", "full")
 
 
+class ForwardTimer:
+    """A forward's seconds, read after the step has read its results back: timed by CUDA
+    events on a GPU (so timing adds no wait of its own to the step), by the wall clock
+    elsewhere. Made without a device: no forward ran (0 s)."""
+
+    def __init__(self, device: torch.device | None = None):
+        self._events = None
+        if device is not None and device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._start = None if device is None else time.perf_counter()
+        self._seconds = 0.0
+
+    def stop(self) -> ForwardTimer:
+        if self._events is not None:
+            self._events[1].record()
+        elif self._start is not None:
+            self._seconds = time.perf_counter() - self._start
+        return self
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._seconds
+        self._events[1].synchronize()  # complete already once the step has read its results
+        return self._events[0].elapsed_time(self._events[1]) / 1000
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, rows: RowTable, kv_cache: KVCache, device: torch.device,
                  kv_cache_mode: str = "prefix", attention_backend: str = "auto", canvas: str = "block"):
@@ -150,25 +177,23 @@ class ModelRunner:
         return input_ids, positions, layout, logits_index
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, float]:
+    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardTimer]:
         """Logits ``[R, L, V]`` of the batch's block units (on the model's device: the
-        algorithms step there), and the forward's seconds."""
+        algorithms step there), and the forward's timer (read it once the step has read
+        its results)."""
         refreshed = self._refreshed(batch)
         if self.refreshes and (self.bidirectional or self.refresh_every_step) and not batch.unit_is_block.any():
             # prompt chunks only, which the first block step recomputes: nothing to run
-            return torch.empty(0, self.block_length, self.model.spec.vocab_size), 0.0
+            return torch.empty(0, self.block_length, self.model.spec.vocab_size), ForwardTimer()
         input_ids, positions, layout, logits_index = self.build_inputs(batch, refreshed)
-        start = time.perf_counter()
+        timer = ForwardTimer(self.device)
         context = paged_context(self.backend, layout, self.kv_cache.k, self.kv_cache.v, self.block_length)
         logits = self.model(input_ids.to(self.device), positions.to(self.device), context,
                             logits_index.view(-1).to(self.device))
         logits = logits.view(-1, self.block_length, logits.shape[-1])
         if self.shift_logits:
             logits = self._keep_first_logits(logits, batch, refreshed)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - start
-        return logits.float(), elapsed
+        return logits.float(), timer.stop()
 
     def _keep_first_logits(self, logits: torch.Tensor, batch: ScheduledBatch, refreshed: torch.Tensor) -> torch.Tensor:
         """Store refreshed rows' first-position logits per row; reuse them for the others."""

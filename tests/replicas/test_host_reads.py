@@ -8,7 +8,8 @@ Today a step reads 6 times at the 6 places below: once the step's results (the b
 ids and flags, in one read, in ``_denoise_and_commit``), and 5 times tensors that live on
 the host (the batch's layout and counts), which wait for nothing; never per committed
 block. Logits, blocks and the algorithms' work stay on the model's device until that one
-read (issue 26: no other wait inside a step). This test cannot tell a host tensor's read
+read (issue 26: no other wait inside a step; on a GPU the forward is timed by CUDA events,
+read after it, ``replicas.runner.ForwardTimer``). This test cannot tell a host tensor's read
 from a device tensor's: the places are listed by name."""
 
 import sys
