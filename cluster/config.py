@@ -102,7 +102,7 @@ class QualityLevelSettings(_Section):
     step_ratio: float = Field(
         1.0, gt=0, le=1, description="its steps per block over the default setting's, as measured (`dllm-serve "
                                      "bench quality`): admission charges an adaptive request that fraction while "
-                                     "every replica runs at this level or lower")
+                                     "every replica runs at this level or a deeper one")
 
     @model_validator(mode="after")
     def _check_params(self) -> "QualityLevelSettings":
