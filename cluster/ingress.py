@@ -305,7 +305,10 @@ class Ingress:
         if body.mode is not None and body.mode != self.config.replica.mode:
             raise bad_request(f"the replicas run in mode '{self.config.replica.mode.value}'", param="mode")
         if isinstance(prompt, str):
-            prompt_ids = self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            # a rendered chat's markers are the template's special tokens, recognized as the model's own
+            # apply_chat_template does; a completion's text stays text, special-token look-alikes included
+            chat = isinstance(body, protocol.ChatCompletionRequest)
+            prompt_ids = self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=not chat)["input_ids"]
         else:
             prompt_ids = prompt
         max_tokens = self._max_tokens(body)
