@@ -166,7 +166,8 @@ class KnobModel:
     that arrives while its replica's knob is at level n runs every block in
     ``step_ratios[n - 1]`` x the steps drawn for it (rounded at random to keep the mean;
     the ratio of the level's steps per block to the default's, e.g. from `dllm-serve bench
-    quality`). Every request allows it."""
+    quality`). Every request allows it; while every replica's knob is at level n or
+    deeper, admission charges a request that ratio of its cost, as the ingress does."""
 
     step_ratios: tuple[float, ...]
     slo_s: float
@@ -221,11 +222,12 @@ class _Replica:
         self.hold_from: float | None = None  # fdfo: start of the current hold
         self.debt = 0.0
 
-    def enqueue(self, req: int) -> None:
+    def enqueue(self, req: int, cost: float) -> None:
+        """Queue ``req``, charged ``cost`` row-steps."""
         self.queue.append(req)
-        self.debt += self.ledger.cost
-        self.ledger.charge[req] = self.ledger.cost
-        self.ledger.outstanding += self.ledger.cost
+        self.debt += cost
+        self.ledger.charge[req] = cost
+        self.ledger.outstanding += cost
 
     def decide(self, now: float, next_arrival: float) -> float:
         """Act at ``now`` (the replica is not in a step); returns when to act next."""
@@ -384,19 +386,24 @@ def simulate(calibration: Calibration | Mapping, workload: Workload, policy: str
 
     for req, t in enumerate(ledger.arrival):
         act_before(t)
-        if ledger.outstanding > 1e-9 and ledger.outstanding + ledger.cost > limit:
+        cost = ledger.cost
+        if knobs:  # as the ingress charges: at the least degraded replica's level
+            now[0] = t
+            charged_at = min(k.level for k in knobs)
+            if charged_at:
+                cost *= knob.step_ratios[charged_at - 1]
+        if ledger.outstanding > 1e-9 and ledger.outstanding + cost > limit:
             continue
         least = min(r.debt for r in fleet)
         tied = [i for i, r in enumerate(fleet) if r.debt <= least + 1e-9]
         target = tied[turn % len(tied)]
         turn += 1
         if knobs:
-            now[0] = t
             level = knobs[target].observe(fleet[target].debt / drain_rate)
             if level:
                 ledger.steps[req] = _scaled(ledger.steps[req], knob.step_ratios[level - 1], knob_rng)
                 ledger.level[req] = level
-        fleet[target].enqueue(req)
+        fleet[target].enqueue(req, cost)
         ledger.replica[req] = target
         if fleet[target].free_at <= t and wake[target] != t:
             wake[target] = t
