@@ -48,13 +48,18 @@ class ReplicaSettings(EngineConfig):
     def _check_algorithm(self) -> "ReplicaSettings":
         """A named default algorithm is checked here; the model's own is checked at start."""
         if self.algorithm is not None:
-            from algorithms import AlgorithmError, get_algorithm
-
-            try:
-                get_algorithm(self.algorithm).make_params(self.algorithm_params)
-            except AlgorithmError as exc:
-                raise ValueError(f"algorithm: {exc}") from exc
+            _check_algorithm_params(self.algorithm, self.algorithm_params, "algorithm")
         return self
+
+
+def _check_algorithm_params(name: str, params: dict[str, Any], setting: str) -> None:
+    """ValueError (a config error naming ``setting``) unless algorithm ``name`` takes ``params``."""
+    from algorithms import AlgorithmError, get_algorithm
+
+    try:
+        get_algorithm(name).make_params(params)
+    except AlgorithmError as exc:
+        raise ValueError(f"{setting}: {exc}") from exc
 
 
 class AdmissionSettings(_Section):
@@ -106,12 +111,7 @@ class QualityLevelSettings(_Section):
 
     @model_validator(mode="after")
     def _check_params(self) -> "QualityLevelSettings":
-        from algorithms import AlgorithmError, get_algorithm
-
-        try:
-            get_algorithm(self.algorithm).make_params(self.params)
-        except AlgorithmError as exc:
-            raise ValueError(f"quality level: {exc}") from exc
+        _check_algorithm_params(self.algorithm, self.params, "quality level")
         return self
 
 

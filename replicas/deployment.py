@@ -27,7 +27,7 @@ from replicas.monitor import ReplicaMonitor
 from replicas.quality import QualityKnob
 from replicas.reports import ReplicaStats
 from replicas.request import FinishReason
-from replicas.settings import EngineConfig
+from replicas.settings import EngineConfig, resolve_algorithm
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,8 @@ class EngineReplica:
         if self.quality is None or not params.adaptive:
             return params, 0
         self.quality.observe(self.monitor.predicted_drain_s())
-        algorithm, _ = self.engine.algorithm_for(params)
-        return self.quality.apply(params, algorithm.name)
+        algorithm, _ = resolve_algorithm(self.engine.config, self.engine.spec, params.algorithm)  # checked by the engine
+        return self.quality.apply(params, algorithm)
 
     async def generate_unary(self, request: GenerateRequest) -> GenerateChunk:
         """The whole answer of a tokenized request as one chunk (``messages.joined``), for

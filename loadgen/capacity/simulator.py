@@ -176,7 +176,8 @@ class KnobModel:
     hold_s: float = 2.0
 
     def knob(self, clock: Callable[[], float]) -> QualityKnob:
-        levels = [QualityLevel("", {}, 0.0) for _ in self.step_ratios]
+        """A replica's knob, its levels the ratios (no algorithm, nothing lost: every level usable)."""
+        levels = [QualityLevel("", {}, 0.0, ratio) for ratio in self.step_ratios]
         return QualityKnob(levels, self.slo_s, raise_at=self.raise_at, lower_at=self.lower_at, hold_s=self.hold_s,
                            clock=clock)
 
@@ -389,9 +390,9 @@ def simulate(calibration: Calibration | Mapping, workload: Workload, policy: str
         cost = ledger.cost
         if knobs:  # as the ingress charges: at the least degraded replica's level
             now[0] = t
-            charged_at = min(k.level for k in knobs)
-            if charged_at:
-                cost *= knob.step_ratios[charged_at - 1]
+            charged_at = min(knobs, key=lambda k: k.level)
+            if charged_at.level:
+                cost *= charged_at.levels[charged_at.level - 1].step_ratio
         if ledger.outstanding > 1e-9 and ledger.outstanding + cost > limit:
             continue
         least = min(r.debt for r in fleet)
@@ -401,7 +402,7 @@ def simulate(calibration: Calibration | Mapping, workload: Workload, policy: str
         if knobs:
             level = knobs[target].observe(fleet[target].debt / drain_rate)
             if level:
-                ledger.steps[req] = _scaled(ledger.steps[req], knob.step_ratios[level - 1], knob_rng)
+                ledger.steps[req] = _scaled(ledger.steps[req], knobs[target].levels[level - 1].step_ratio, knob_rng)
                 ledger.level[req] = level
         fleet[target].enqueue(req, cost)
         ledger.replica[req] = target
