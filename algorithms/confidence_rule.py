@@ -41,7 +41,7 @@ class ConfidenceRule(DllmAlgorithm):
         masked = block == mask_id
         tokens, confidence = self.propose(logits, mask_id, params, states)
         chosen = self.choose(masked_confidence(confidence, masked), params) & masked
-        block.copy_(torch.where(chosen, tokens, block))
+        torch.where(chosen, tokens, block, out=block)
         return ~masked.any(-1)
 
     @abstractmethod

@@ -6,6 +6,7 @@ result never depends on the other rows of the batch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,13 +16,20 @@ import torch
 def per_row(
     values: Sequence[Any], name: str, device: torch.device, dtype: torch.dtype = torch.float64
 ) -> torch.Tensor:
-    """``[getattr(v, name) for v in values]`` as a 1-D tensor, one entry per row."""
-    return torch.tensor([getattr(v, name) for v in values], dtype=dtype, device=device)
+    """``[getattr(v, name) for v in values]`` as a 1-D tensor, one entry per row. The
+    tensor may be shared with other calls (a batch's parameters repeat step after step, and
+    making a tensor costs more than looking one up): read it, never write to it."""
+    return _row_tensor(tuple([getattr(v, name) for v in values]), dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _row_tensor(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def masked_confidence(confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     """``confidence`` at masked positions, -inf elsewhere (so those are never picked)."""
-    return confidence.masked_fill(~masked, float("-inf"))
+    return torch.where(masked, confidence, float("-inf"))
 
 
 def at_least_one(chosen: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:

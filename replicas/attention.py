@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +33,7 @@ class BatchLayout:
     position* is a token's flat index in the KV cache: page x page size + offset.
     """
 
-    unit_start: torch.Tensor  # [U+1] cumulative new-token counts per unit
+    unit_start: torch.Tensor  # [U+1] cumulative new-token counts per unit (on the host)
     cache_positions: torch.Tensor  # [T] cache position each new token's K/V goes to
     key_cache_positions: torch.Tensor  # [U, Kmax] cache position of each key
     key_valid: torch.Tensor  # [U, Kmax] False for unused positions (partial prompt page, padding)
@@ -48,16 +49,17 @@ class PagedAttentionContext:
         self.v_cache = v_cache
         self.cache_positions = layout.cache_positions.to(device)
         self.key_cache_positions = layout.key_cache_positions.to(device)
-        counts = layout.unit_start[1:] - layout.unit_start[:-1]
-        self.units = counts.numel()
+        unit_start = layout.unit_start.numpy()  # a host tensor: the index math runs in numpy
+        counts = np.diff(unit_start)
+        self.units = counts.size
         self.page_size = page_size
         # when every unit is a whole page (denoise-only steps) the packed queries already
         # have the padded shape and need no scatter/gather
         self.pad_index = None
-        if not bool((counts == page_size).all()):
-            token_unit = torch.repeat_interleave(torch.arange(self.units), counts)
-            offset = torch.arange(int(layout.unit_start[-1])) - layout.unit_start[token_unit]
-            self.pad_index = (token_unit * page_size + offset).to(device)
+        if not (counts == page_size).all():
+            token_unit = np.repeat(np.arange(self.units), counts)
+            offset = np.arange(unit_start[-1]) - unit_start[token_unit]
+            self.pad_index = torch.from_numpy(token_unit * page_size + offset).to(device)
         self.mask = layout.key_valid[:, None, None, :].to(device)  # [U, 1, 1, Kmax]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

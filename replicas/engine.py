@@ -251,9 +251,9 @@ class Engine:
         if not requests:  # prompt chunks only
             self.scheduler.update_from_step([])
             return []
-        if len(requests) < batch.advances.numel():  # idle rows (sync, static) computed but not advanced
-            logits = logits[batch.advances]
-        rows, page_indices = torch.tensor([[r.row for r in requests], [r.active_page_index for r in requests]])
+        if len(requests) < batch.advances.size:  # idle rows (sync, static) computed but not advanced
+            logits = logits[torch.from_numpy(batch.advances).to(logits.device)]
+        rows, page_indices = [r.row for r in requests], [r.active_page_index for r in requests]
         blocks = self.rows.blocks(rows, page_indices).to(logits.device)
         fed_masks = (blocks == self.spec.mask_token_id).any(-1)
         asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
@@ -262,13 +262,13 @@ class Engine:
         if asking:
             self._record_logprobs([requests[i] for i in asking], logits[asking], before, blocks[asking])
         if self.config.fused_commit:
-            final = torch.tensor([r.algorithm.final_when_filled and r.finish_reason is None for r in requests],
-                                 device=blocks.device)
-            done |= final & (blocks != self.spec.mask_token_id).all(-1)
+            filled = (blocks != self.spec.mask_token_id).all(-1)
+            final = [r.algorithm.final_when_filled and r.finish_reason is None for r in requests]
+            done |= filled if all(final) else filled & torch.tensor(final, device=blocks.device)
         # one read of the blocks' tokens and both flags (on a GPU, the step's one wait)
         read = torch.cat([blocks, done[:, None], fed_masks[:, None]], 1).tolist()
-        self.rows.write_blocks(rows, page_indices, blocks.to(self.rows.tokens.device))
         block_ids = [row[:-2] for row in read]
+        self.rows.write_blocks(rows, page_indices, block_ids)
         commits = [self._commit(request, ids) if row[-2] else None
                    for request, ids, row in zip(requests, block_ids, read)]
         # a block committed at the step that filled it: its cached KV is the masked one

@@ -32,7 +32,7 @@ def page_hashes(prompt_ids: Sequence[int], page_size: int) -> tuple[int, ...]:
     return tuple(hashes)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class CachedPage:
     page: int  # the pool page holding the KV
     tokens: tuple[int, ...]

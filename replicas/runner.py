@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -93,17 +94,17 @@ class ModelRunner:
         self.refresh_every_step = kv_cache_mode == "none"
         self.refreshes = self.refresh_every_step or self.bidirectional or self.shift_logits
         self.backend = resolve_backend(attention_backend, device, kv_cache.k[0].dtype)
-        self._offsets = torch.arange(self.block_length)
+        self._offsets = np.arange(self.block_length)
         self._first_logits: torch.Tensor | None = None  # [rows, V]: shifted models' first logit
 
-    def _refreshed(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _refreshed(self, batch: ScheduledBatch) -> np.ndarray:
         """[R] bool over block units: recompute the row's whole sequence this step (a
         stepped block's first step, or every step without a cache)."""
         if not self.refreshes:
-            return torch.zeros_like(batch.advances)
+            return np.zeros_like(batch.advances)
         return batch.advances & (self.refresh_every_step or batch.steps_in_block == 0)
 
-    def _units(self, batch: ScheduledBatch, refreshed: torch.Tensor):
+    def _units(self, batch: ScheduledBatch, refreshed: np.ndarray):
         """The units to compute: the scheduler's, with refreshed rows expanded to every page
         up to their block (their last block with the full canvas), and prompt chunks
         dropped where refreshes recompute them."""
@@ -111,58 +112,58 @@ class ModelRunner:
                                                 batch.unit_is_block, batch.unit_scratch)
         if not self.refreshes:
             return batch.unit_row, page_index, count, is_block, scratch
-        unit_refresh = torch.zeros_like(is_block)
+        unit_refresh = np.zeros_like(is_block)
         unit_refresh[is_block] = refreshed
-        keep = is_block if (self.bidirectional or self.refresh_every_step) else torch.ones_like(is_block)
-        source = torch.arange(is_block.numel())[keep]
+        keep = is_block if (self.bidirectional or self.refresh_every_step) else np.ones_like(is_block)
+        source = np.flatnonzero(keep)
         reach = self.rows.last_page[batch.unit_row] if self.full_canvas else page_index
-        width = torch.where(unit_refresh[source], reach[source] + 1, 1)
-        source = source.repeat_interleave(width)
-        starts = torch.cumsum(width, 0) - width
-        within = torch.arange(source.numel()) - starts.repeat_interleave(width)
-        new_page_index = torch.where(unit_refresh[source], within, page_index[source])
+        width = np.where(unit_refresh[source], reach[source] + 1, 1)
+        source = np.repeat(source, width)
+        starts = np.cumsum(width) - width
+        within = np.arange(source.size) - np.repeat(starts, width)
+        new_page_index = np.where(unit_refresh[source], within, page_index[source])
         own = new_page_index == page_index[source]
         row = batch.unit_row[source]
-        page_count = torch.where(new_page_index == self.rows.prompt_pages[row] - 1,
-                                 self.rows.prompt_tail[row], self.block_length)
+        page_count = np.where(new_page_index == self.rows.prompt_pages[row] - 1,
+                              self.rows.prompt_tail[row], self.block_length)
         if self.full_canvas:  # an infill's suffix may end inside its last page
-            page_count = torch.where(new_page_index == self.rows.last_page[row], self.rows.last_tail[row], page_count)
-        new_count = torch.where(own, count[source], page_count)
+            page_count = np.where(new_page_index == self.rows.last_page[row], self.rows.last_tail[row], page_count)
+        new_count = np.where(own, count[source], page_count)
         return row, new_page_index, new_count, is_block[source] & own, scratch[source] & own
 
-    def build_inputs(self, batch: ScheduledBatch, refreshed: torch.Tensor):
+    def build_inputs(self, batch: ScheduledBatch, refreshed: np.ndarray):
         """Packed input ids, positions, attention layout and the logits' token indices
-        (``[R, L]``; for shifted models the token before each position)."""
+        (``[R, L]``; for shifted models the token before each position), as host tensors.
+        Computed with numpy (a small op costs a few times less than torch's on the host)."""
         size, rows, offsets = self.block_length, self.rows, self._offsets
         unit_row, page_index, unit_count, unit_is_block, unit_scratch = self._units(batch, refreshed)
         flat_page = unit_row * rows.max_pages + page_index
         valid = offsets < unit_count[:, None]  # [U, L]
-        input_ids = rows.tokens.view(-1, size)[flat_page][valid]
+        input_ids = rows.tokens.reshape(-1, size)[flat_page][valid]
         prompt_pages = rows.prompt_pages[unit_row]
         prompt_tail = rows.prompt_tail[unit_row]
         positions = page_index[:, None] * size + offsets
         if self.contiguous_positions:  # no gap between the prompt's last token and the blocks
             positions = positions - ((page_index >= prompt_pages) * (size - prompt_tail))[:, None]
         positions = positions[valid]
-        page = rows.page_table.view(-1)[flat_page]
-        page = torch.where(unit_scratch, PagePool.SCRATCH_PAGE, page)
+        page = np.where(unit_scratch, PagePool.SCRATCH_PAGE, rows.page_table.reshape(-1)[flat_page])
         cache_positions = (page[:, None] * size + offsets)[valid]
 
-        unit_start = torch.zeros(unit_count.numel() + 1, dtype=torch.long)
-        torch.cumsum(unit_count, 0, out=unit_start[1:])
+        unit_start = np.zeros(unit_count.size + 1, dtype=np.int64)
+        np.cumsum(unit_count, out=unit_start[1:])
         if self.full_canvas:  # every page of the row's canvas
             sees = rows.last_page[unit_row]
         elif self.bidirectional:  # every page of the row up to its active block
-            top = torch.zeros(rows.num_rows, dtype=torch.long).scatter_reduce(
-                0, unit_row, page_index, reduce="amax")
+            top = np.zeros(rows.num_rows, dtype=np.int64)
+            np.maximum.at(top, unit_row, page_index)
             sees = top[unit_row]
         else:
             sees = page_index
         key_pages = int(sees.max()) + 1
         table = rows.page_table[unit_row, :key_pages]
-        key_cache_positions = (table[:, :, None] * size + offsets).view(-1, key_pages * size)
-        key_page_index = torch.arange(key_pages).repeat_interleave(size)
-        key_offset = offsets.repeat(key_pages)
+        key_cache_positions = (table[:, :, None] * size + offsets).reshape(-1, key_pages * size)
+        key_page_index = np.repeat(np.arange(key_pages), size)
+        key_offset = np.tile(offsets, key_pages)
         key_valid = (key_page_index <= sees[:, None]) & (
             (key_page_index != prompt_pages[:, None] - 1) | (key_offset < prompt_tail[:, None]))
         if self.full_canvas:
@@ -172,9 +173,10 @@ class ModelRunner:
         if self.shift_logits:  # position i reads the output at i - 1; the first, the token before
             logits_index = logits_index - 1
             logits_index[~refreshed, 0] = 0  # not fed this step: replaced by the kept logit
-        layout = BatchLayout(unit_start=unit_start, cache_positions=cache_positions,
-                             key_cache_positions=key_cache_positions, key_valid=key_valid)
-        return input_ids, positions, layout, logits_index
+        tensor = torch.from_numpy
+        layout = BatchLayout(unit_start=tensor(unit_start), cache_positions=tensor(cache_positions),
+                             key_cache_positions=tensor(key_cache_positions), key_valid=tensor(key_valid))
+        return tensor(input_ids), tensor(positions), layout, tensor(logits_index)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardTimer]:
@@ -195,12 +197,12 @@ class ModelRunner:
             logits = self._keep_first_logits(logits, batch, refreshed)
         return logits.float(), timer.stop()
 
-    def _keep_first_logits(self, logits: torch.Tensor, batch: ScheduledBatch, refreshed: torch.Tensor) -> torch.Tensor:
+    def _keep_first_logits(self, logits: torch.Tensor, batch: ScheduledBatch, refreshed: np.ndarray) -> torch.Tensor:
         """Store refreshed rows' first-position logits per row; reuse them for the others."""
         if self._first_logits is None:
             self._first_logits = logits.new_zeros(self.rows.num_rows, logits.shape[-1])
-        block_rows = batch.block_rows.to(logits.device)
-        refreshed = refreshed.to(logits.device)
+        block_rows = torch.from_numpy(batch.block_rows).to(logits.device)
+        refreshed = torch.from_numpy(refreshed).to(logits.device)
         self._first_logits[block_rows[refreshed]] = logits[refreshed, 0]
         logits[~refreshed, 0] = self._first_logits[block_rows[~refreshed]]
         return logits

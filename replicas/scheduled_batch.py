@@ -1,10 +1,10 @@
-"""The plain data object the scheduler hands the runner for one step (tensors and ints only)."""
+"""The plain data object the scheduler hands the runner for one step (host arrays and ints only)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 
 @dataclass
@@ -17,20 +17,20 @@ class ScheduledBatch:
     starts at offset 0). Block units are the rows' active blocks, whose logits are
     computed; ``advances`` says which of them the algorithm advances (the others are idle
     rows that the sync/static baselines still compute, and whose writes go to the scratch
-    page).
+    page). The arrays are numpy: the runner builds the model's inputs from them on the host.
     """
 
     num_rows: int  # rows in the forward
-    unit_row: torch.Tensor  # [U]
-    unit_page_index: torch.Tensor  # [U]
-    unit_count: torch.Tensor  # [U]
-    unit_is_block: torch.Tensor  # [U] bool
-    unit_scratch: torch.Tensor  # [U] bool: write K/V to the scratch page
-    advances: torch.Tensor  # [R] bool over the block units (their requests: ``Scheduler.stepped``)
-    steps_in_block: torch.Tensor  # [R] steps each block unit's block took before this one
+    unit_row: np.ndarray  # [U]
+    unit_page_index: np.ndarray  # [U]
+    unit_count: np.ndarray  # [U]
+    unit_is_block: np.ndarray  # [U] bool
+    unit_scratch: np.ndarray  # [U] bool: write K/V to the scratch page
+    advances: np.ndarray  # [R] bool over the block units (their requests: ``Scheduler.stepped``)
+    steps_in_block: np.ndarray  # [R] steps each block unit's block took before this one
 
     @property
-    def block_rows(self) -> torch.Tensor:
+    def block_rows(self) -> np.ndarray:
         """[R] the row of each block unit."""
         return self.unit_row[self.unit_is_block]
 

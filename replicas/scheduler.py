@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-import torch
+import numpy as np
 
 from replicas.scheduled_batch import ScheduledBatch
 from replicas.batching import Phase, RowAction, SchedulerMode, batching_policy
@@ -333,17 +333,17 @@ class Scheduler:
             if not idle:
                 self.stepped.append(request)
 
-        # two tensors made, their rows viewed (each torch.tensor call costs more than the values)
-        units = torch.tensor([unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch], dtype=torch.long)
-        blocks = torch.tensor([advances, steps_in_block], dtype=torch.long)
+        # two arrays made, their rows viewed (each array made costs more than its values)
+        units = np.array([unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch], dtype=np.int64)
+        blocks = np.array([advances, steps_in_block], dtype=np.int64)
         return ScheduledBatch(
             num_rows=len(self.scheduled),
             unit_row=units[0],
             unit_page_index=units[1],
             unit_count=units[2],
-            unit_is_block=units[3].bool(),
-            unit_scratch=units[4].bool(),
-            advances=blocks[0].bool(),
+            unit_is_block=units[3].astype(bool),
+            unit_scratch=units[4].astype(bool),
+            advances=blocks[0].astype(bool),
             steps_in_block=blocks[1],
         )
 

@@ -1,5 +1,6 @@
 """The paged, cached forward gives the same block logits as a dense forward without cache."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,11 +39,10 @@ def record_block_logits(engine):
 
     def spy(batch):
         requests = list(engine.scheduler.stepped)
-        blocks = engine.rows.blocks(torch.tensor([r.row for r in requests], dtype=torch.long),
-                                    torch.tensor([r.active_page_index for r in requests], dtype=torch.long)).tolist()
+        blocks = engine.rows.blocks([r.row for r in requests], [r.active_page_index for r in requests]).tolist()
         committed = [[r.output_ids[j * size:(j + 1) * size] for j in range(r.block_index)] for r in requests]
         logits, seconds = forward(batch)
-        stepped_logits = logits[batch.advances] if len(logits) else logits
+        stepped_logits = logits[torch.from_numpy(batch.advances)] if len(logits) else logits
         for k, request in enumerate(requests):
             seen.append((request.prompt_ids, committed[k], blocks[k], stepped_logits[k]))
         return logits, seconds
@@ -106,13 +106,13 @@ def test_runner_works_from_the_plain_batch_alone(random_model):
     rows.start_blocks([row], [2], [pages[2]], [0], random_model.spec.mask_token_id)
     block = [random_model.spec.mask_token_id] * size
     block[3] = 7
-    rows.write_blocks(torch.tensor([row]), torch.tensor([2]), torch.tensor([block]))
+    rows.write_blocks([row], [2], [block])
     kv_cache = KVCache(random_model.spec.num_layers, 8, size, random_model.spec.num_kv_heads,
                        random_model.spec.head_dim, torch.float32, "cpu")
     runner = ModelRunner(random_model, rows, kv_cache, torch.device("cpu"))
     batch = ScheduledBatch(
-        num_rows=1, unit_row=torch.tensor([row] * 3), unit_page_index=torch.tensor([0, 1, 2]),
-        unit_count=torch.tensor([size, 4, size]), unit_is_block=torch.tensor([False, False, True]),
-        unit_scratch=torch.tensor([False] * 3), advances=torch.tensor([True]), steps_in_block=torch.tensor([0]))
+        num_rows=1, unit_row=np.array([row] * 3), unit_page_index=np.array([0, 1, 2]),
+        unit_count=np.array([size, 4, size]), unit_is_block=np.array([False, False, True]),
+        unit_scratch=np.array([False] * 3), advances=np.array([True]), steps_in_block=np.array([0]))
     logits, _ = runner.forward(batch)
     torch.testing.assert_close(logits[0], dense_block_logits(random_model, prompt, [], block), rtol=1e-4, atol=1e-4)

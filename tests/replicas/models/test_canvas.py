@@ -73,7 +73,7 @@ def spy_sequences(engine):
         if engine.scheduler.stepped:
             request = engine.scheduler.stepped[0]
             end = (request.active_page_index + 1) * engine.block_length
-            seen.append((engine.rows.tokens[request.row].view(-1)[:end].tolist(), logits[0]))
+            seen.append((engine.rows.tokens[request.row].reshape(-1)[:end].tolist(), logits[0]))
         return logits, seconds
 
     engine.runner.forward = spy

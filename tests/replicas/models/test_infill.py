@@ -23,7 +23,7 @@ def spy_canvas(engine):
         logits, seconds = forward(batch)
         if engine.scheduler.stepped:
             request = engine.scheduler.stepped[0]
-            tokens = engine.rows.tokens[request.row].view(-1)
+            tokens = engine.rows.tokens[request.row].reshape(-1)
             answer_start = request.prefix_pages * size
             answer_end = answer_start + request.blocks_to_denoise * size
             sequence = (tokens[:len(PROMPT)].tolist() + tokens[answer_start:answer_end].tolist()

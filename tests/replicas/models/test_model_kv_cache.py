@@ -23,7 +23,7 @@ def record_steps(engine, prompt, max_tokens):
     def spy(batch):
         request = engine.scheduler.stepped[0] if engine.scheduler.stepped else None
         if request is not None:
-            block = engine.rows.blocks(torch.tensor([request.row]), torch.tensor([request.active_page_index]))[0]
+            block = engine.rows.blocks([request.row], [request.active_page_index])[0]
             committed = [request.output_ids[j * size:(j + 1) * size] for j in range(request.block_index)]
             step = request.steps_in_block
             later = request.max_blocks - request.block_index - 1
