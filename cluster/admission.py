@@ -17,7 +17,10 @@ How a request is decided:
 * Its cost, in row-steps (one row advanced by one step): its most blocks x steps per
   block, the mean (or ``admission.cost_quantile``) of the steps per block the replicas
   measured, at most the algorithm's worst case (the worst case until measured). It is
-  also the number of steps the request itself takes, one after another.
+  also the number of steps the request itself takes, one after another. Plus its
+  prompt's pages that no replica is likely to hold cached (the ingress remembers the
+  prefixes it sent), each at what a replica measured a prompt page to cost, in row-steps
+  (``prompt_cost``): a prompt found in a prefix cache is charged nothing for it.
 * The work ahead of it, D: the step debt the replicas reported (what they received and
   have not done yet: the source of truth) plus what this ingress admitted after those
   reports were taken (admissions newer than the oldest report's ``stats_time``; replicas
@@ -145,15 +148,28 @@ class AdmissionController:
         since = sum(charge.remaining for charge in self._since_report)
         return max(max(reported, 0.0) + self.ingress_replicas * since, own)
 
-    def _drain(self) -> tuple[float, float]:
-        """(R, step seconds at the batch the queue will run at), see the module docstring."""
+    def _queue(self) -> tuple[list[DrainModel], int]:
+        """The replicas' drain models and the batch the queue will run at on each."""
         if self.view:
             models = [DrainModel.from_stats(v) or self._prior for v in self.view.values()]
             rows = sum(v.live_requests for v in self.view.values()) + len(self._since_report) + 1
         else:
             models, rows = [self._prior] * self.min_replicas, 1
-        batch = -(-rows // len(models))
+        return models, -(-rows // len(models))
+
+    def _drain(self) -> tuple[float, float]:
+        """(R, step seconds at the batch the queue will run at), see the module docstring."""
+        models, batch = self._queue()
         return sum(m.rate(batch) for m in models), max(m.step_s(batch) for m in models)
+
+    def prompt_cost(self, pages: int) -> float:
+        """Row-steps that computing ``pages`` prompt pages costs: their seconds (the replicas'
+        measured ``c2`` per page) at the drain rate of the batch the queue runs at, averaged
+        over the replicas; 0 before a replica has measured it."""
+        if pages <= 0:
+            return 0.0
+        models, batch = self._queue()
+        return pages * sum(m.page_row_steps(batch) for m in models) / len(models)
 
     def predicted_s(self, cost: float) -> float:
         """Seconds until a request of ``cost`` row-steps admitted now completes."""

@@ -56,6 +56,7 @@ from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.front_door import FrontDoor
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from cluster.request_path import path_in_this_process
+from cluster.router import PrefixMemory
 from replicas.limits import aligned_head, blocks_needed
 from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, SamplingParams, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
@@ -116,6 +117,7 @@ class Ingress:
         self.admission = AdmissionController(self.config.admission, self.config.slo.latency_s,
                                              self.config.autoscaling.min_replicas,
                                              stale_after_s=stale_after_s(self.config.stats_period_s))
+        self.sent_prefixes = PrefixMemory()  # the prompt pages admitted here: charged as cached next time
         # one thread: a transformers tokenizer is not safe to call from several at once
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dllm-tokenize")
         self.ingress_id = protocol.new_id("ingress")
@@ -339,7 +341,12 @@ class Ingress:
         if params.adaptive:
             cost = self._adaptive_cost(cost, algorithm_name)
         hashes = page_hashes(prompt_ids, block) if self.shape.prefix_cache else ()
-        return GenerateRequest(protocol.new_id("cmpl"), prompt_ids, params, cost, hashes)
+        # the prompt's pages the replicas compute (an aligned prompt's end is in its first block),
+        # less those of the longest prefix this ingress sent: likely cached where it went
+        uncached = -(-(len(prompt_ids) - head) // block) - self.sent_prefixes.known_pages(hashes)
+        prompt_cost = math.ceil(self.admission.prompt_cost(uncached))
+        return GenerateRequest(protocol.new_id("cmpl"), prompt_ids, params, min(cost + prompt_cost, self.shape.max_cost),
+                               prompt_cost, hashes)
 
     def _adaptive_cost(self, cost: int, algorithm: str) -> int:
         """An adaptive request's charge while the replicas run degraded: ``cost`` at the
@@ -399,6 +406,7 @@ class Ingress:
         decision = self.admission.try_admit(job.cost * body.n, body.deadline_s)
         self._refuse_if(decision)
         self.admitted += 1
+        self.sent_prefixes.record(job.prefix_hashes, self.ingress_id)
         failover = self.failover if body.stream else self.failover_unary
         stream = self._charged_stream(rows(job, body.n), failover, decision.charge, slot)
         if body.stream:
@@ -419,7 +427,7 @@ class Ingress:
         steps = [0] * len(jobs)
         try:
             async for index, chunk in merged([self._replica_stream(job, failover) for job in jobs]):
-                steps[index] = chunk.steps
+                steps[index] = jobs[index].prompt_cost + chunk.steps
                 charge.progress(sum(steps))
                 yield index, chunk
         finally:

@@ -67,11 +67,16 @@ class PrefixMemory:
 
     def holder(self, hashes: tuple[int, ...]) -> str | None:
         """The replica last sent the longest of these prefixes, if any was sent."""
-        for page in reversed(hashes):
-            replica = self._replica.get(page)
-            if replica is not None:
-                return replica
-        return None
+        pages = self.known_pages(hashes)
+        return self._replica[hashes[pages - 1]] if pages else None
+
+    def known_pages(self, hashes: tuple[int, ...]) -> int:
+        """How many first pages of these the longest prefix that was sent has (a page's hash
+        covers the pages before it)."""
+        for pages in range(len(hashes), 0, -1):
+            if hashes[pages - 1] in self._replica:
+                return pages
+        return 0
 
 
 def affinity_first(fresh: list[tuple[float, str, T]], holder: str | None, slack_s: float) -> list[T]:

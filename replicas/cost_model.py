@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,10 +49,59 @@ def fit_step_cost(step_records: Iterable[tuple[int, float]]) -> tuple[float, flo
     return float(c0), float(c1)
 
 
+def fit_step_cost_with_prefill(step_records: Iterable[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """Non-negative least squares ``(c0, c1, c2)`` of
+    ``step_seconds ≈ c0 + c1 * rows + c2 * prompt_units``."""
+    (c0,), c1, c2 = fit_step_cost_by_load([step_records])
+    return c0, c1, c2
+
+
+def fit_step_cost_by_load(loads: Sequence[Iterable[tuple[int, int, float]]]) -> tuple[list[float], float, float]:
+    """Non-negative least squares of ``step_seconds ≈ c0[load] + c1 * rows + c2 * prompt_units``
+    over (rows, prompt units, seconds) of steps measured at several loads: one fixed cost
+    per load, per-row and per-prompt-unit costs shared. The shared terms are compute;
+    what the serving path takes from the engine grows with load and lands in each load's
+    c0 (a light load alone has few steps with many rows and splits c0 and c1 poorly).
+    With few terms the exact answer is the best fit, over the subsets of terms (the fixed
+    costs all in or all out), whose coefficients are all >= 0."""
+    groups = [np.asarray(list(records), dtype=float).reshape(-1, 3) for records in loads]
+    if not groups or any(len(g) == 0 for g in groups):
+        raise ValueError("fit: no step records")
+    data = np.concatenate(groups)
+    load = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    terms = np.column_stack([load == k for k in range(len(groups))] + [data[:, 0], data[:, 1]]).astype(float)
+    seconds = data[:, 2]
+    fixed, rows, units = list(range(len(groups))), len(groups), len(groups) + 1
+    best = (np.inf, np.array([g[:, 2].mean() for g in groups] + [0.0, 0.0]))
+    for subset in (fixed + [rows, units], fixed + [rows], fixed + [units], [rows, units], fixed, [rows], [units]):
+        coef = np.linalg.lstsq(terms[:, subset], seconds, rcond=None)[0]
+        residual = float(((terms[:, subset] @ coef - seconds) ** 2).sum())
+        if np.all(coef >= 0) and residual < best[0] - 1e-15:
+            full = np.zeros(terms.shape[1])
+            full[subset] = coef
+            best = (residual, full)
+    return [float(c) for c in best[1][:rows]], float(best[1][rows]), float(best[1][units])
+
+
+def fit_online_step_cost(step_records: Iterable[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """``(c0, c1, c2)`` of ``step seconds ≈ c0 + c1 * rows + c2 * prompt pages`` over a
+    replica's recent steps (``fit_step_cost_with_prefill``), but where every step had the
+    same rows the split between c0 and c1 is unknowable and c1 is 0 (as ``fit_step_cost``)."""
+    data = np.asarray(list(step_records), dtype=float).reshape(-1, 3)
+    if len(data) == 0:
+        raise ValueError("fit: no step records")
+    if np.ptp(data[:, 0]) == 0:
+        (c0,), _, c2 = fit_step_cost_by_load([np.column_stack([np.zeros(len(data)), data[:, 1:]])])
+        return c0, 0.0, c2
+    return fit_step_cost_with_prefill(data)
+
+
 @dataclass(frozen=True)
 class DrainModel:
     """A replica's step cost ``c0 + c1 * rows`` seconds, fitted on batches of up to
-    ``measured_rows`` rows, with at most ``max_batch`` rows per step.
+    ``measured_rows`` rows, with at most ``max_batch`` rows per step, and ``c2`` seconds
+    more for each prompt page a step computes (prefill; a page the prefix cache holds is
+    not computed).
 
     ``rate(rows)`` is the row-steps per second drained at that batch, rows / step seconds;
     it grows with the batch (c0 is shared). It never extrapolates past ``measured_rows``:
@@ -64,6 +113,12 @@ class DrainModel:
     c1: float
     max_batch: int
     measured_rows: int
+    c2: float = 0.0
+
+    def page_row_steps(self, rows: int | None = None) -> float:
+        """What computing one prompt page costs, in row-steps at ``rows`` rows: the page's
+        seconds at that batch's drain rate (admission charges a prompt's uncached pages so)."""
+        return self.c2 * self.rate(rows)
 
     def step_s(self, rows: int) -> float:
         return self.c0 + self.c1 * max(1, min(rows, self.max_batch))
@@ -74,14 +129,15 @@ class DrainModel:
         return rows / max(self.step_s(rows), 1e-9)
 
     def as_stats(self) -> dict:
-        return {"c0": self.c0, "c1": self.c1, "max_batch": self.max_batch, "measured_rows": self.measured_rows}
+        return {"c0": self.c0, "c1": self.c1, "c2": self.c2, "max_batch": self.max_batch,
+                "measured_rows": self.measured_rows}
 
     @classmethod
     def from_stats(cls, stats: ReplicaStats) -> "DrainModel | None":
         """The model in a replica's routing stats, or None when it has not measured one."""
         if stats.c0 is None:
             return None
-        return cls(stats.c0, stats.c1, stats.max_batch, stats.measured_rows)
+        return cls(stats.c0, stats.c1, stats.max_batch, stats.measured_rows, stats.c2 or 0.0)
 
 
 def mean_steps(counts: Mapping[int, float]) -> float | None:
@@ -99,9 +155,9 @@ class OnlineCostModel:
         self.clock = clock  # the clock arrivals are timed on
         self._lock = threading.Lock()
         self._arrivals: deque[float] = deque(maxlen=window)
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)  # (rows, prompt pages, seconds)
         self._steps_seen = 0
-        self._fit: tuple[int, tuple[float, float]] | None = None  # (steps seen then, (c0, c1))
+        self._fit: tuple[int, tuple[float, float, float]] | None = None  # (steps seen then, (c0, c1, c2))
         self.steps_per_block: Counter = Counter()
         self.blocks_per_request: Counter = Counter()
 
@@ -109,9 +165,10 @@ class OnlineCostModel:
         with self._lock:
             self._arrivals.append(at)
 
-    def observe_step(self, rows: int, seconds: float, block_steps: tuple[int, ...]) -> None:
+    def observe_step(self, rows: int, seconds: float, block_steps: tuple[int, ...], prompt_pages: int = 0) -> None:
+        """``prompt_pages``: the prompt pages the step computed (prefill)."""
         with self._lock:
-            self._steps.append((rows, seconds))
+            self._steps.append((rows, prompt_pages, seconds))
             self._steps_seen += 1
             self.steps_per_block.update(block_steps)
 
@@ -141,14 +198,18 @@ class OnlineCostModel:
         return sum(1 for t in self._arrivals if t >= since) / RATE_WINDOW_S
 
     def step_cost(self) -> tuple[float, float]:
-        """(c0, c1) of step seconds = c0 + c1 x rows over the recent steps, refitted once
-        ``REFIT_EVERY_STEPS`` steps have come since the last fit (an under-filled fdfo step
-        asks every time, and one more step of a window of hundreds moves the fit by nothing:
-        a fit per step cost about as much CPU as the rest of the scheduler)."""
+        """(c0, c1) of step seconds = c0 + c1 x rows (+ c2 x prompt pages, ``drain_model``)
+        over the recent steps, refitted once ``REFIT_EVERY_STEPS`` steps have come since the
+        last fit (an under-filled fdfo step asks every time, and one more step of a window of
+        hundreds moves the fit by nothing: a fit per step cost about as much CPU as the rest
+        of the scheduler)."""
+        return self._step_cost()[:2]
+
+    def _step_cost(self) -> tuple[float, float, float]:
         if not self._steps:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         if self._fit is None or self._steps_seen - self._fit[0] >= REFIT_EVERY_STEPS:
-            self._fit = self._steps_seen, fit_step_cost(self._steps)
+            self._fit = self._steps_seen, fit_online_step_cost(self._steps)
         return self._fit[1]
 
     def drain_model(self) -> DrainModel | None:
@@ -156,9 +217,9 @@ class OnlineCostModel:
         with self._lock:
             if not self._steps:
                 return None
-            c0, c1 = self.step_cost()
-            measured = max(rows for rows, _ in self._steps)
-        return DrainModel(c0, c1, self.max_batch, measured)
+            c0, c1, c2 = self._step_cost()
+            measured = max(rows for rows, _, _ in self._steps)
+        return DrainModel(c0, c1, self.max_batch, measured, c2)
 
     def request_alone_s(self, blocks: int) -> float | None:
         """Seconds a request of ``blocks`` blocks takes at full batch, with the mean measured

@@ -104,7 +104,7 @@ class EngineReplica:
         reason, tokens, blocks = FinishReason.ABORT.value, 0, 0
         try:
             async for chunk in stream:
-                self.monitor.request_progressed(request_id, chunk.steps)
+                self.monitor.request_progressed(request_id, request.prompt_cost + chunk.steps)
                 if first_block is None and chunk.token_ids:
                     first_block = time.monotonic() - start
                 tokens = chunk.completion_tokens

@@ -237,11 +237,12 @@ class Engine:
             blocks_committed=len(committed),
             block_steps=tuple(committed),
             prefix_units=batch.prefix_units,
+            prompt_pages=batch.prompt_pages,
             forward_cpu_s=forward_cpu,
             step_cpu_s=time.thread_time() - cpu_start,
         )
         self.totals.record(stats)
-        self.cost_model.observe_step(stats.batch_size, stats.step_s, stats.block_steps)
+        self.cost_model.observe_step(stats.batch_size, stats.step_s, stats.block_steps, stats.prompt_pages)
         return stats
 
     def _denoise_and_commit(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int]:

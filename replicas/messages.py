@@ -58,6 +58,7 @@ class GenerateRequest:
     prompt_ids: list[int]
     params: SamplingParams
     cost: float | None = None  # row-steps charged at admission; None: the replica's worst case
+    prompt_cost: int = 0  # of ``cost``, the row-steps charged for computing the prompt (done by the first block)
     # ``prefix_cache.page_hashes`` of the prompt where the replicas cache prefixes: the
     # router prefers the replica that was sent the longest of them
     prefix_hashes: tuple[int, ...] = ()

@@ -42,9 +42,10 @@ class ReplicaStats(BaseModel):
     row_steps_per_s: float = 0.0  # measured over recent steps
     drain_row_steps_per_s: float = 0.0  # at full batch, from the step-cost model
     predicted_drain_s: float = 0.0
-    # the step-cost model c0 + c1 * rows (``replicas.cost_model.DrainModel``), once measured
+    # the step-cost model c0 + c1 * rows + c2 * prompt pages (``replicas.cost_model.DrainModel``), once measured
     c0: float | None = None
     c1: float | None = None
+    c2: float | None = None
     max_batch: int | None = None
     measured_rows: int | None = None
     longest_request_s: float | None = None  # the longest request alone, once measured

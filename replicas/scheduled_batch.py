@@ -28,6 +28,7 @@ class ScheduledBatch:
     unit_scratch: np.ndarray  # [U] bool: write K/V to the scratch page
     advances: np.ndarray  # [R] bool over the block units (their requests: ``Scheduler.stepped``)
     steps_in_block: np.ndarray  # [R] steps each block unit's block took before this one
+    prompt_pages: int = 0  # of the units, the prompt pages computed (prefill; commit writes are not)
 
     @property
     def block_rows(self) -> np.ndarray:

@@ -293,6 +293,7 @@ class Scheduler:
             for r in self.running)
         unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch = [], [], [], [], []
         advances, steps_in_block = [], []
+        prompt_pages = 0
 
         def add_unit(request: Request, page_index: int, count: int, is_block: bool, scratch: bool = False) -> None:
             unit_row.append(request.row)
@@ -310,6 +311,7 @@ class Scheduler:
                     budget -= count
                     add_unit(request, page_index, count, False)
                 request.prefilled_pages = last
+                prompt_pages += last - first
                 self._written.append((request, first, last, None))
                 if last == request.prefix_pages and budget >= size:
                     budget -= size
@@ -345,6 +347,7 @@ class Scheduler:
             unit_scratch=units[4].astype(bool),
             advances=blocks[0].astype(bool),
             steps_in_block=blocks[1],
+            prompt_pages=prompt_pages,
         )
 
     @staticmethod

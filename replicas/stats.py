@@ -17,6 +17,7 @@ class StepStats:
     blocks_committed: int
     block_steps: tuple[int, ...]  # steps taken by each block committed this step
     prefix_units: int = 0  # page-sized units besides the block units: prompt chunks and commit writes
+    prompt_pages: int = 0  # of those, the prompt pages (prefill)
     forward_cpu_s: float = 0.0  # CPU time of the engine thread in the forward (its intra-op threads' not counted)
     step_cpu_s: float = 0.0  # CPU time of the engine thread in the whole step
 

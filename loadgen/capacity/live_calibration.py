@@ -10,7 +10,7 @@ per rate:
 
 * step cost: the replica's busy-step periods (wall clock between back-to-back steps, the
   contention included) give ``c0 + c1 * rows + prefill_s * starting requests``, fitted
-  over all loads at once with c0 per load (`loadgen.capacity.step_cost.fit_step_cost_by_load`),
+  over all loads at once with c0 per load (`replicas.cost_model.fit_step_cost_by_load`),
   and ``step_cost_spread`` and ``step_cost_path`` per load;
 * ``request_overhead_s``: each completed request's client latency minus the time it spent
   in the replica (``dllm.engine_s`` of its last chunk), as 100 equally likely values;
@@ -36,9 +36,10 @@ import numpy as np
 from loadgen import client
 from loadgen.arrivals import poisson_times, tiny_prompts, with_prompts
 from loadgen.capacity.calibration import LOAD_FIELDS, Calibration
-from loadgen.capacity.step_cost import fit_step_cost_by_load, step_calibration
+from loadgen.capacity.step_cost import step_calibration
 from loadgen.records import OK, LoadgenError, Record
 from loadgen.loops import Progress, run_open_loop
+from replicas.cost_model import fit_step_cost_by_load
 
 CALIBRATION_PATH = "/v1/dllm/calibration"
 REPORT_LAG_S = 2.0  # replicas report every stats_period_s (0.5 s by default)

@@ -1,48 +1,16 @@
-"""Offline fits of the step cost ``c0 + c1 * rows + c2 * prompt units`` to measured steps.
+"""The simulator's step-cost calibration from measured steps.
 
-The engine's own online fit (``c0 + c1 * rows`` over recent steps) is
-``replicas.cost_model.fit_step_cost``; these fits build the simulator's calibration.
+The fits themselves (``c0 + c1 * rows + c2 * prompt units``, non-negative, per load or
+not) are the engine's, ``replicas.cost_model``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import numpy as np
 
-
-def fit_step_cost_with_prefill(step_records: Iterable[tuple[int, int, float]]) -> tuple[float, float, float]:
-    """Non-negative least squares ``(c0, c1, c2)`` of
-    ``step_seconds ≈ c0 + c1 * rows + c2 * prefix_units``."""
-    (c0,), c1, c2 = fit_step_cost_by_load([step_records])
-    return c0, c1, c2
-
-
-def fit_step_cost_by_load(loads: Sequence[Iterable[tuple[int, int, float]]]) -> tuple[list[float], float, float]:
-    """Non-negative least squares of ``step_seconds ≈ c0[load] + c1 * rows + c2 * prefix_units``
-    over (rows, prompt units, seconds) of steps measured at several loads: one fixed cost
-    per load, per-row and per-prompt-unit costs shared. The shared terms are compute;
-    what the serving path takes from the engine grows with load and lands in each load's
-    c0 (a light load alone has few steps with many rows and splits c0 and c1 poorly).
-    With few terms the exact answer is the best fit, over the subsets of terms (the fixed
-    costs all in or all out), whose coefficients are all >= 0."""
-    groups = [np.asarray(list(records), dtype=float).reshape(-1, 3) for records in loads]
-    if not groups or any(len(g) == 0 for g in groups):
-        raise ValueError("fit: no step records")
-    data = np.concatenate(groups)
-    load = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
-    terms = np.column_stack([load == k for k in range(len(groups))] + [data[:, 0], data[:, 1]]).astype(float)
-    seconds = data[:, 2]
-    fixed, rows, units = list(range(len(groups))), len(groups), len(groups) + 1
-    best = (np.inf, np.array([g[:, 2].mean() for g in groups] + [0.0, 0.0]))
-    for subset in (fixed + [rows, units], fixed + [rows], fixed + [units], [rows, units], fixed, [rows], [units]):
-        coef = np.linalg.lstsq(terms[:, subset], seconds, rcond=None)[0]
-        residual = float(((terms[:, subset] @ coef - seconds) ** 2).sum())
-        if np.all(coef >= 0) and residual < best[0] - 1e-15:
-            full = np.zeros(terms.shape[1])
-            full[subset] = coef
-            best = (residual, full)
-    return [float(c) for c in best[1][:rows]], float(best[1][rows]), float(best[1][units])
+from replicas.cost_model import fit_step_cost_with_prefill
 
 
 def step_calibration(step_records: Iterable[tuple[int, int, float]], prefix_units_per_request: float,

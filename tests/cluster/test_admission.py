@@ -122,6 +122,16 @@ def test_unmeasured_replica_drains_at_the_prior():
     assert adm.predicted_s(10) == pytest.approx(110 / 200 + 10 / 200)
 
 
+def test_a_prompts_pages_cost_what_the_replicas_measured_a_page_to_cost():
+    """A page costs c2 seconds, in row-steps at the drain rate of the batch the queue runs
+    at; before any replica measured c2 (or with no report) a prompt costs nothing."""
+    adm = controller(slo_latency_s=5.0, min_replicas=1)
+    assert adm.prompt_cost(10) == 0.0
+    adm.update_view({"a": replica(live=15, c2=0.0005)})  # 15 live + this one: a full batch
+    assert adm.prompt_cost(10) == pytest.approx(10 * 0.0005 * FULL_RATE)
+    assert adm.prompt_cost(0) == 0.0
+
+
 def test_idle_cluster_admits_even_an_oversized_request():
     adm = controller(max_step_debt_per_replica=10)
     assert admit(adm, 10_000).admitted

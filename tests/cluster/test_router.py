@@ -27,6 +27,8 @@ def test_the_longest_prefix_sent_names_its_replica_and_the_oldest_is_forgotten_f
     memory.record(page_hashes([9] * 32, 16), "r3")  # two pages more: the two oldest go
     assert memory.holder(system[:2]) is None and memory.holder(system) == "r2"
     assert memory.holder(()) is None
+    assert memory.known_pages(system) == 4 and memory.known_pages(system[:3]) == 3
+    assert memory.known_pages(page_hashes([5] * 48, 16)) == 0 and memory.known_pages(()) == 0
 
 
 def test_the_holder_goes_first_unless_it_drains_too_late():

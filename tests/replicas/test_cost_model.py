@@ -17,6 +17,23 @@ def test_step_cost_is_fitted_by_least_squares():
     assert c0 == pytest.approx(0.002) and c1 == pytest.approx(0.0005)
 
 
+def test_prompt_pages_get_their_own_cost_and_leave_the_rows_cost_alone():
+    """Steps that also compute prompt pages (prefill) cost c2 more per page; the per-row
+    cost stays the denoising's, and a page's cost in row-steps is c2 at the drain rate."""
+    model = OnlineCostModel(max_batch=16)
+    for rows, pages in [(1, 0), (4, 3), (8, 0), (16, 7), (2, 12), (12, 1)] * 3:
+        model.observe_step(rows, 0.002 + 0.0005 * rows + 0.0003 * pages, (), prompt_pages=pages)
+    drain = model.drain_model()
+    assert (drain.c0, drain.c1, drain.c2) == (pytest.approx(0.002), pytest.approx(0.0005), pytest.approx(0.0003))
+    assert drain.page_row_steps(16) == pytest.approx(0.0003 * 16 / (0.002 + 0.0005 * 16))
+    full_batch_only = OnlineCostModel(max_batch=16)
+    for pages in (0, 5, 2, 9) * 4:  # one batch size: c0 and c1 cannot be told apart, c2 can
+        full_batch_only.observe_step(16, 0.01 + 0.0004 * pages, (), prompt_pages=pages)
+    drain = full_batch_only.drain_model()
+    assert (drain.c0, drain.c1, drain.c2) == (pytest.approx(0.01), 0.0, pytest.approx(0.0004))
+    assert DrainModel.from_stats(ReplicaStats(**drain.as_stats())) == drain
+
+
 def test_the_step_cost_is_refitted_once_enough_new_steps_have_come():
     model = OnlineCostModel(max_batch=16)
     model.observe_step(4, 0.01, ())

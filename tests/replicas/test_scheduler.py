@@ -6,7 +6,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from algorithms import get_algorithm
 from replicas.batching import Phase, SchedulerMode

@@ -12,9 +12,9 @@ from loadgen.capacity.calibration import (DEFAULT_CALIBRATION, LoadCosts, fit_ca
 from loadgen.capacity.simulator import (CalibratedSteps, KnobModel, Workload, find_max_rate, find_replicas, fixed_fill_capacity,
                                         poisson_workload, run, simulate, slo_attainment, summarize, throughput_bound,
                                         trace_workload)
-from loadgen.capacity.step_cost import fit_step_cost_by_load, fit_step_cost_with_prefill, step_calibration
+from loadgen.capacity.step_cost import step_calibration
 from replicas.batching import MODES
-from replicas.cost_model import fit_step_cost
+from replicas.cost_model import fit_step_cost, fit_step_cost_by_load, fit_step_cost_with_prefill
 from replicas.engine import EngineConfig
 
 CAL = DEFAULT_CALIBRATION
