@@ -34,10 +34,12 @@ How a request is decided:
 * Predicted completion = (D + cost) / R + cost x (c0 + c1·b): the queue ahead and the
   request drain at R, and the request cannot be faster than its own steps one after
   another (the sum is on the safe side).
-* Admitted iff the prediction <= the SLO (``SLOSettings.latency_for``); an idle cluster
+* Admitted iff the prediction <= ``admission.slo_headroom`` x the SLO
+  (``SLOSettings.latency_for``; 0.8 by default: the prediction is a mean, and a queue
+  filled to the SLO itself finishes about half its requests late); an idle cluster
   (D = 0) always admits, so a request longer than the SLO still runs. A refusal's
-  ``Retry-After`` is the excess, prediction - SLO, rounded up, at least 1 s: the time the
-  work ahead needs to drain that much.
+  ``Retry-After`` is the excess, prediction - headroom x SLO, rounded up, at least 1 s:
+  the time the work ahead needs to drain that much.
 
 ``admission.max_step_debt_per_replica`` replaces the prediction with a fixed bound: admit
 while D + cost <= bound x replicas; ``Retry-After`` = excess / R.
@@ -181,13 +183,14 @@ class AdmissionController:
         if not self.settings.enabled or ahead <= 0:
             return Decision(True)
         bound = self.settings.max_step_debt_per_replica
+        headroom = self.settings.slo_headroom
         if bound is None:
             slo = self._slo_s if slo_s is None else min(slo_s, self._slo_s)
-            excess_s = self.predicted_s(cost) - slo
+            excess_s = self.predicted_s(cost) - slo * headroom
         else:  # a fixed bound replaces the SLO, not the request's own deadline
             excess_s = (ahead + cost - bound * (len(self.view) or self.min_replicas)) / self._drain()[0]
             if slo_s is not None:
-                excess_s = max(excess_s, self.predicted_s(cost) - slo_s)
+                excess_s = max(excess_s, self.predicted_s(cost) - slo_s * headroom)
         return Decision(True) if excess_s <= 0 else Decision(False, max(1, math.ceil(excess_s)))
 
     # ---- decisions and charges -------------------------------------------------------------

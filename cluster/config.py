@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cluster.auth import API_KEYS_ENV
 from cluster.request_path import RequestPath
+from replicas.limits import SLO_HEADROOM
 from replicas.quality import QualityKnob, QualityLevel
 from replicas.settings import EngineConfig
 
@@ -76,6 +77,11 @@ class AdmissionSettings(_Section):
                     "is still checked against the predicted completion; default: none, admit by predicted completion)")
     initial_row_steps_per_s: float = Field(
         500.0, gt=0, description="drain-rate prior used until replicas have measured their step cost")
+    slo_headroom: float = Field(
+        SLO_HEADROOM, gt=0, le=1,
+        description="admit while the predicted completion is within this fraction of the SLO (or of a request's "
+                    "deadline_s): the prediction is a mean, and a queue filled to the SLO itself would finish "
+                    "about half of its requests late")
 
 
 SLO_MULTIPLE = 2.0

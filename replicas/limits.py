@@ -39,6 +39,11 @@ def length_error(prompt_tokens: int, max_tokens: int, block_length: int, max_mod
     return None
 
 
+# admission admits while the predicted completion is within this fraction of the SLO (the
+# prediction is a mean: a queue filled to the SLO itself finishes about half its requests late)
+SLO_HEADROOM = 0.8
+
+
 def request_cost(max_tokens: int, block_length: int, steps_per_block: float,
                  max_cost: int | None = None) -> int:
     """Row-steps charged for a request at admission: its most blocks x steps per block,

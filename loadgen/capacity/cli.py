@@ -17,6 +17,7 @@ from loadgen.capacity.live_calibration import CalibrationPlan, calibrate
 from loadgen.cli import add_endpoint_options, endpoint_from_args, positive_number, rate_list, run_command
 from loadgen.records import LoadgenError
 from replicas.batching import MODES
+from replicas.limits import SLO_HEADROOM
 
 
 def _target_options(parser: argparse.ArgumentParser, rates_flag: str) -> None:
@@ -124,7 +125,7 @@ def run_simulate(args) -> int:
               "pass --calibration FILE to plan for your engine", file=sys.stderr)
     debt = args.max_step_debt
     if debt == "slo":
-        debt = cal.max_batch / (cal.c0 + cal.c1 * cal.max_batch) * args.slo_latency
+        debt = cal.max_batch / (cal.c0 + cal.c1 * cal.max_batch) * args.slo_latency * SLO_HEADROOM
     elif debt is not None:
         try:
             debt = float(debt)
@@ -215,7 +216,8 @@ def add_simulate_parser(commands) -> None:
                              "(default: on)")
     parser.add_argument("--max-step-debt", metavar="ROW_STEPS|slo",
                      help="admission: row-steps the cluster may owe per replica, or 'slo' for full-batch drain "
-                          "rate x --slo-latency (default: admit everything)")
+                          f"rate x --slo-latency x {SLO_HEADROOM:g} (admission.slo_headroom's default) "
+                          "(default: admit everything)")
     parser.add_argument("--quality-steps", type=float, nargs="+", metavar="RATIO",
                         help="the load knob on every replica (replicas.quality, its default bands and hold): one "
                              "ratio per level of its steps per block to the default setting's (e.g. from `dllm-serve "

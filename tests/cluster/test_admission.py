@@ -9,6 +9,7 @@ import pytest
 from cluster.admission import AdmissionController
 from cluster.config import SLO_FLOOR_S, SLO_MULTIPLE, AdmissionSettings
 from replicas.cost_model import DrainModel
+from replicas.limits import SLO_HEADROOM
 
 # the tiny model on this machine, roughly: 7 ms per step plus 2 ms per row, 16 rows
 C0, C1, MAX_BATCH = 0.007, 0.002, 16
@@ -77,13 +78,14 @@ def test_light_load_admits_what_the_old_rule_refused():
     assert admit(adm, cost).admitted
 
 
+@pytest.mark.parametrize("headroom", [SLO_HEADROOM, 1.0])
 @pytest.mark.parametrize("debt", [0.0, 500.0, 1000.0, 1500.0, 1900.0, 2000.0, 2100.0, 3000.0, 10_000.0])
-def test_admits_exactly_while_the_prediction_meets_the_slo(debt):
-    adm = controller(slo_latency_s=5.0, min_replicas=1)
+def test_admits_exactly_while_the_prediction_meets_the_slo_with_its_headroom(debt, headroom):
+    adm = controller(slo_latency_s=5.0, min_replicas=1, slo_headroom=headroom)
     adm.update_view({"a": replica(debt=debt, live=40)})
     predicted = (debt + 20) / FULL_RATE + 20 * (C0 + C1 * MAX_BATCH)
     assert adm.predicted_s(20) == pytest.approx(predicted)
-    assert admit(adm, 20).admitted == (debt == 0 or predicted <= 5.0)
+    assert admit(adm, 20).admitted == (debt == 0 or predicted <= 5.0 * headroom)
 
 
 def test_refusal_when_the_queue_ahead_exceeds_the_slo_and_retry_after_is_the_excess():
@@ -91,7 +93,7 @@ def test_refusal_when_the_queue_ahead_exceeds_the_slo_and_retry_after_is_the_exc
     adm.update_view({"a": replica(debt=5000, live=200)})
     predicted = 5020 / FULL_RATE + 20 * (C0 + C1 * MAX_BATCH)
     refused = admit(adm, 20)
-    assert not refused.admitted and refused.retry_after_s == math.ceil(predicted - 5.0)
+    assert not refused.admitted and refused.retry_after_s == math.ceil(predicted - 5.0 * SLO_HEADROOM)
     assert adm.quick_refusal() is not None  # even one block is refused, and nothing is charged
     assert adm.outstanding == 0
     # after Retry-After seconds at the full-batch rate, the same request is admitted
@@ -195,7 +197,7 @@ def test_two_ingresses_fill_the_headroom_once_between_two_reports():
             now[0] += 0.001
         return admitted
 
-    alone = (5.0 - 20 * (C0 + C1 * MAX_BATCH)) * FULL_RATE - 1000  # headroom in row-steps
+    alone = (5.0 * SLO_HEADROOM - 20 * (C0 + C1 * MAX_BATCH)) * FULL_RATE - 1000  # room in row-steps
     first, second = fill(ingresses[0]), fill(ingresses[1])
     assert first == second == math.floor((alone + 20) / 40)  # 1000 + 2 x own admissions + 20 within the SLO
     capacity_bound = 1000 + alone  # what one ingress alone keeps within the SLO
