@@ -77,6 +77,7 @@ def replica_deployment_options(config: AppConfig) -> dict:
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 10.0,
         "graceful_shutdown_timeout_s": 60.0,
+        "logging_config": {"enable_access_log": config.access_log},
         "request_router_config": {
             "request_router_class": "cluster.router:DrainTimeRouter",
             "request_router_kwargs": {"stale_after_s": stale_after_s(config.stats_period_s),
@@ -110,6 +111,7 @@ def ingress_deployment_options(config: AppConfig) -> dict:
             "backpressure_config": {"status_code": 429, "retry_after_s": 1},
             # a replaced ingress replica lets its streams finish, as a drain does
             "graceful_shutdown_timeout_s": config.drain_timeout_s,
+            "logging_config": {"enable_access_log": config.access_log},
             "ray_actor_options": {"num_cpus": ingress.num_cpus}}
 
 

@@ -51,6 +51,19 @@ def test_the_bound_app_is_sized_for_this_node():
     assert replica.ray_actor_options["num_cpus"] > 0
 
 
+@pytest.mark.parametrize("access_log", [False, True])
+def test_serves_access_log_is_off_unless_asked_in_the_app_and_the_kubernetes_render(access_log):
+    """A line per request in every replica's log costs CPU on the request path: off by default."""
+    config = load_config(overrides={} if not access_log else {"access_log": True})
+    bound = build_app(config)._bound_deployment
+    replica = bound.init_args[0]._bound_deployment
+    for deployment in (bound, replica):
+        assert deployment._deployment_config.logging_config["enable_access_log"] is access_log
+    serve = yaml.safe_load(rayservice(config)["spec"]["serveConfigV2"])
+    for deployment in ServeDeploySchema.model_validate(serve).applications[0].deployments:
+        assert deployment.logging_config.enable_access_log is access_log
+
+
 def test_render_sizes_for_the_worker_pod_and_passes_the_sizing_on():
     config = load_config(overrides={"kubernetes.worker_cpus": 8, "autoscaling.max_replicas": 3})
     service = rayservice(config)
