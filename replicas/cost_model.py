@@ -91,9 +91,13 @@ def fit_online_step_cost(step_records: Iterable[tuple[int, int, float]]) -> tupl
     if len(data) == 0:
         raise ValueError("fit: no step records")
     if np.ptp(data[:, 0]) == 0:
-        (c0,), _, c2 = fit_step_cost_by_load([np.column_stack([np.zeros(len(data)), data[:, 1:]])])
-        return c0, 0.0, c2
-    return fit_step_cost_with_prefill(data)
+        data = np.column_stack([np.zeros(len(data)), data[:, 1:]])
+    terms = np.column_stack([np.ones(len(data)), data[:, :2]])
+    coef = np.linalg.lstsq(terms, data[:, 2], rcond=None)[0]
+    if np.all(coef >= 0):  # the usual case, and then the best non-negative fit: no subsets to try
+        return float(coef[0]), float(coef[1]), float(coef[2])
+    (c0,), c1, c2 = fit_step_cost_by_load([data])
+    return c0, c1, c2
 
 
 @dataclass(frozen=True)
