@@ -197,9 +197,13 @@ class OnlineCostModel:
             return dict(self.steps_per_block)
 
     def arrival_rate(self) -> float:
-        """Arrivals per second over the last ``RATE_WINDOW_S`` seconds."""
+        """Arrivals per second over the last ``RATE_WINDOW_S`` seconds (arrivals come in
+        time order: older ones are dropped from the front, not counted at every step)."""
         since = self.clock() - RATE_WINDOW_S
-        return sum(1 for t in self._arrivals if t >= since) / RATE_WINDOW_S
+        arrivals = self._arrivals
+        while arrivals and arrivals[0] < since:  # in arrival order: the old ones are on the left
+            arrivals.popleft()
+        return len(arrivals) / RATE_WINDOW_S
 
     def step_cost(self) -> tuple[float, float]:
         """(c0, c1) of step seconds = c0 + c1 x rows (+ c2 x prompt pages, ``drain_model``)

@@ -49,12 +49,15 @@ def test_the_step_cost_is_refitted_once_enough_new_steps_have_come():
 
 
 def test_arrival_rate_counts_recent_arrivals_only():
-    model = OnlineCostModel(max_batch=16)
-    now = time.monotonic()
+    """Arrivals are observed in the order they came (the engine's inbox order)."""
+    now = [100.0]
+    model = OnlineCostModel(max_batch=16, clock=lambda: now[0])
+    model.observe_arrival(now[0] - 10 * RATE_WINDOW_S)  # long ago: not counted
     for i in range(10):
-        model.observe_arrival(now - i * 0.1)  # 10 arrivals in the last second
-    model.observe_arrival(now - 10 * RATE_WINDOW_S)  # long ago: not counted
+        model.observe_arrival(now[0] - 1 + i * 0.1)  # 10 arrivals in the last second
     assert model.arrival_rate() == pytest.approx(10 / RATE_WINDOW_S)
+    now[0] += RATE_WINDOW_S - 0.55  # the first five are older than the window now
+    assert model.arrival_rate() == pytest.approx(5 / RATE_WINDOW_S)
 
 
 def test_fill_timeout_needs_estimates_and_is_bounded():
