@@ -2,8 +2,8 @@
 
 The loop thread steps the engine while it has work and sleeps on an event otherwise.
 Each request's committed blocks are handed to the caller's event loop through an
-``asyncio.Queue``; leaving the iterator early (client disconnect, cancel) aborts the
-request, so its pages are freed.
+``asyncio.Queue`` (or, for a whole answer, only the answer, once); leaving the iterator
+early (client disconnect, cancel) aborts the request, so its pages are freed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from replicas.engine import Engine
-from replicas.messages import GenerateChunk, SamplingParams
+from replicas.messages import GenerateChunk, SamplingParams, joined
 from replicas.stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -81,15 +81,29 @@ class AsyncEngine:
         self._thread.join(timeout=5)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[GenerateChunk]:
+                       request_id: str | None = None, whole: bool = False,
+                       on_block: Callable[[GenerateChunk], None] | None = None) -> AsyncIterator[GenerateChunk]:
         """Yield one chunk per committed block; the last one has ``finished=True``.
+
+        ``whole``: yield one chunk, the whole answer (``messages.joined``): the caller's
+        event loop is woken once, not once a block (each wake-up is a thread switch and a
+        loop turn). ``on_block`` then sees each block's chunk in the engine's thread, as it
+        commits: it must be quick and must not raise.
 
         Raises ``RequestError`` before yielding anything if the request is invalid.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[GenerateChunk] = asyncio.Queue()
+        blocks: list[GenerateChunk] = []
 
         def deliver(output: GenerateChunk) -> None:
+            if whole:
+                if on_block is not None:
+                    on_block(output)
+                blocks.append(output)
+                if not output.finished:
+                    return
+                output = joined(blocks)
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, output)
             except RuntimeError:  # the caller's loop is gone (e.g. the abort after a disconnect)

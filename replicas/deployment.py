@@ -90,13 +90,27 @@ class EngineReplica:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream one chunk per committed block of a tokenized request."""
+        async for chunk in self._answer(request, whole=False):
+            yield chunk
+
+    async def _answer(self, request: GenerateRequest, whole: bool) -> AsyncIterator[GenerateChunk]:
+        """The request's chunks (``whole``: one, the whole answer), counted by the monitor:
+        its cost when it starts, its steps as blocks commit, its end."""
         start = time.monotonic()
         request_id = request.request_id
+        first_block = None
+
+        def progressed(chunk: GenerateChunk) -> None:  # the event loop's thread, or the engine's (whole)
+            nonlocal first_block
+            self.monitor.request_progressed(request_id, request.prompt_cost + chunk.steps)
+            if first_block is None and chunk.token_ids:
+                first_block = time.monotonic() - start
+
         try:
             params, level = self._quality_for(request.params)
             cost = request.cost if request.cost is not None else self.worst_case_cost(request.prompt_ids, params)
-            stream = self.async_engine.generate(request.prompt_ids, params, request_id)
-            first_block = None
+            stream = self.async_engine.generate(request.prompt_ids, params, request_id, whole=whole,
+                                                on_block=progressed if whole else None)
         except RequestError as exc:
             yield GenerateChunk.refusal(str(exc))
             return
@@ -104,9 +118,8 @@ class EngineReplica:
         reason, tokens, blocks = FinishReason.ABORT.value, 0, 0
         try:
             async for chunk in stream:
-                self.monitor.request_progressed(request_id, request.prompt_cost + chunk.steps)
-                if first_block is None and chunk.token_ids:
-                    first_block = time.monotonic() - start
+                if not whole:
+                    progressed(chunk)
                 tokens = chunk.completion_tokens
                 if chunk.finished:
                     reason = chunk.finish_reason
@@ -128,8 +141,9 @@ class EngineReplica:
 
     async def generate_unary(self, request: GenerateRequest) -> GenerateChunk:
         """The whole answer of a tokenized request as one chunk (``messages.joined``), for
-        a caller that does not stream: one reply instead of a stream message per block."""
-        return joined([chunk async for chunk in self.generate(request)])
+        a caller that does not stream: one reply instead of a stream message per block, and
+        this replica's event loop woken once for it instead of once a block."""
+        return joined([chunk async for chunk in self._answer(request, whole=True)])
 
     # ---- Serve hooks -------------------------------------------------------------------
     async def record_routing_stats(self) -> dict:

@@ -104,9 +104,12 @@ class ReplicaMonitor:
             self._degraded += quality_level > 0
 
     def request_progressed(self, request_id: str, steps: int) -> None:
+        """May come from the engine's thread after the request has finished here (an abort
+        not yet applied): then there is nothing left to count."""
         with self._lock:
-            cost, _ = self._debt[request_id]
-            self._debt[request_id] = (cost, steps)
+            entry = self._debt.get(request_id)
+            if entry is not None:
+                self._debt[request_id] = (entry[0], steps)
 
     def request_finished(self, request_id: str, reason: str, latency_s: float,
                          time_to_first_block_s: float | None, output_tokens: int, blocks: int = 0) -> None:

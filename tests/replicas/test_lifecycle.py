@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -10,7 +11,7 @@ from exploding_algorithm import NAME as EXPLODING, register_exploding
 from failing_call import failing_on_call
 from replicas.async_engine import AsyncEngine
 from replicas.request import FinishReason
-from replicas.messages import RequestError, SamplingParams
+from replicas.messages import RequestError, SamplingParams, joined
 
 
 def assert_pool_full(engine):
@@ -153,6 +154,39 @@ def test_async_stream_yields_each_block_before_the_end(make_engine):
     assert len(outputs) == 4
     assert [o.finished for o in outputs] == [False, False, False, True]
     assert all(len(o.token_ids) == 16 for o in outputs)
+
+
+def test_a_whole_answer_wakes_the_caller_once_and_shows_each_block_in_the_engine_thread(make_engine):
+    """``whole``: one chunk, the streamed chunks joined; ``on_block`` sees every block as it
+    commits, in the engine's thread; the caller's loop is handed one item, not one a block."""
+    engine = make_engine()
+    runner = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=64, ignore_eos=True, algorithm_params={"seed": 3})
+    seen, handed = [], []
+
+    async def answers():
+        streamed = [o async for o in runner.generate("abc", params)]
+        loop = asyncio.get_running_loop()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(*args):
+            handed.append(args)
+            return call_soon_threadsafe(*args)
+
+        loop.call_soon_threadsafe = counted
+        whole = [o async for o in runner.generate("abc", params, whole=True,
+                                                  on_block=lambda c: seen.append((threading.current_thread().name, c)))]
+        return streamed, whole
+
+    try:
+        streamed, whole = asyncio.run(answers())
+    finally:
+        runner.shutdown()
+    assert len(streamed) == 4 and len(whole) == 1 and len(handed) == 1
+    answer = lambda c: (c.text, c.token_ids, c.block_steps, c.finish_reason)  # noqa: E731 (not its timing or cache hits)
+    assert answer(whole[0]) == answer(joined(streamed))
+    assert [answer(c) for _, c in seen] == [answer(c) for c in streamed]
+    assert {name for name, _ in seen} == {"dllm-engine"}
 
 
 def test_async_cancel_aborts_and_frees_pages(make_engine):
