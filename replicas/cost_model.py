@@ -2,7 +2,10 @@
 
 * arrival rate λ: arrivals in the last ``RATE_WINDOW_S`` seconds (so it decays to 0 when
   arrivals stop, e.g. at the tail of a closed batch, and nothing waits for them);
-* step cost c0 + c1·b: least squares over recent (rows, step seconds) pairs;
+* step cost c0 + c1·b + c2·p: non-negative least squares over recent steps' (rows b,
+  prompt pages computed p, step seconds), so that prefill is a cost of its own, not an
+  average folded into the rows' (admission charges a prompt's uncached pages at c2);
+  the offline fits of the simulator's calibration (per load) are here too;
 * steps per block and blocks per request: counts since start (the replica's one count
   of steps per block: its monitor reports ``steps_per_block_counts``).
 
