@@ -57,7 +57,7 @@ from cluster.front_door import FrontDoor
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from cluster.request_path import path_in_this_process
 from cluster.router import PrefixMemory
-from replicas.limits import aligned_head, blocks_needed
+from replicas.limits import aligned_head, blocks_needed, prompt_pages
 from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, SamplingParams, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
 from replicas.prefix_cache import page_hashes
@@ -341,9 +341,9 @@ class Ingress:
         if params.adaptive:
             cost = self._adaptive_cost(cost, algorithm_name)
         hashes = page_hashes(prompt_ids, block) if self.shape.prefix_cache else ()
-        # the prompt's pages the replicas compute (an aligned prompt's end is in its first block),
-        # less those of the longest prefix this ingress sent: likely cached where it went
-        uncached = -(-(len(prompt_ids) - head) // block) - self.sent_prefixes.known_pages(hashes)
+        # the prompt's pages the replicas compute, less those of the longest prefix this ingress
+        # sent: likely cached where it went
+        uncached = prompt_pages(len(prompt_ids), block, self.shape.aligned) - self.sent_prefixes.known_pages(hashes)
         prompt_cost = math.ceil(self.admission.prompt_cost(uncached))
         return GenerateRequest(protocol.new_id("cmpl"), prompt_ids, params, min(cost + prompt_cost, self.shape.max_cost),
                                prompt_cost, hashes)

@@ -21,6 +21,12 @@ def aligned_head(prompt_tokens: int, block_length: int, aligned: bool) -> int:
     return prompt_tokens % block_length if aligned else 0
 
 
+def prompt_pages(prompt_tokens: int, block_length: int, aligned: bool) -> int:
+    """Pages of a prompt (the last one maybe partial); aligned: its full pages only (its
+    end is in the first answer block)."""
+    return prompt_tokens // block_length if aligned else -(-prompt_tokens // block_length)
+
+
 def pages_needed(prompt_tokens: int, max_tokens: int, block_length: int, suffix_tokens: int = 0) -> int:
     """KV pages a request can occupy: its prompt pages, one per possible output block, and
     its suffix's (an infill's text after the answer)."""

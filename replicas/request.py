@@ -12,7 +12,7 @@ from algorithms import AlgorithmParams, DllmAlgorithm
 from replicas.batching import Phase
 from replicas.detokenizer import Detokenizer
 from replicas.logprobs import TokenLogprob
-from replicas.limits import aligned_head, blocks_needed
+from replicas.limits import aligned_head, blocks_needed, prompt_pages
 from replicas.messages import GenerateChunk, SamplingParams
 from replicas.kv_cache import PageAllocation
 
@@ -70,8 +70,7 @@ class Request:
     @cached_property
     def prompt_pages(self) -> int:
         """Pages of the prompt (the last one maybe partial); aligned: its full pages only."""
-        count = len(self.prompt_ids)
-        return count // self.block_length if self.aligned else -(-count // self.block_length)
+        return prompt_pages(len(self.prompt_ids), self.block_length, self.aligned)
 
     @cached_property
     def fixed_tokens(self) -> int:
