@@ -10,7 +10,8 @@ Conventions shared by every implementation:
 * ``block`` is ``LongTensor[B, L]``: the tokens of each row's active block exactly as
   they were fed to the forward that produced ``logits`` (``FloatTensor[B, L, V]``).
   ``step`` updates ``block`` in place and returns ``BoolTensor[B]``: True where the row's
-  block is done.
+  block is done, or None where a block is done exactly when it was fed with no mask (the
+  caller knows which before the step, and the step saves the ops that would say it).
 * A block is done when the forward saw it with no mask left, so the KV computed in
   that forward is the block's final KV (algorithms that edit may wait longer).
   ``final_when_filled``: that last forward can change nothing (the rule never edits a
@@ -144,8 +145,9 @@ class DllmAlgorithm(ABC):
         mask_id: int,
         params: Sequence[AlgorithmParams],
         states: Sequence[Any | None],
-    ) -> torch.Tensor:
-        """Fill/edit ``block`` in place from ``logits``; return done flags per row."""
+    ) -> torch.Tensor | None:
+        """Fill/edit ``block`` in place from ``logits``; return done flags per row, or None:
+        done where the block was fed with no mask (see the module docstring)."""
 
 
 _REGISTRY: dict[str, DllmAlgorithm] = {}

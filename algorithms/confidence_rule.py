@@ -37,14 +37,15 @@ class ConfidenceRule(DllmAlgorithm):
         mask_id: int,
         params: Sequence[AlgorithmParams],
         states: Sequence[RowNoise | None],
-    ) -> torch.Tensor:
+    ) -> None:
         masked = block == mask_id
         tokens, confidence = self.propose(logits, mask_id, params, states)
-        chosen = self.choose(masked_confidence(confidence, masked), params) & masked
+        chosen = self.choose(masked_confidence(confidence, masked), params)
         torch.where(chosen, tokens, block, out=block)
-        return ~masked.any(-1)
+        return None  # done: fed with no mask (nothing else is ever written)
 
     @abstractmethod
     def choose(self, confidence: torch.Tensor, params: Sequence[AlgorithmParams]) -> torch.Tensor:
-        """Positions to fill, given confidences that are -inf outside the masked positions;
-        at least one in every row that has a finite confidence."""
+        """Positions to fill, given confidences that are -inf outside the masked positions:
+        only positions whose confidence is not -inf (so only masked ones), and at least one
+        in every row that has such a position."""

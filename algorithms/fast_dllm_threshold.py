@@ -16,7 +16,7 @@ import torch
 from .base import AlgorithmParams, check_number, register
 from .confidence_rule import ConfidenceRule
 from .sampling import gumbel
-from .selection import at_least_one, per_row
+from .selection import above_or_best, per_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,4 +38,4 @@ class FastDllmThreshold(ConfidenceRule):
         self, confidence: torch.Tensor, params: Sequence[FastDllmThresholdParams]
     ) -> torch.Tensor:
         threshold = per_row(params, "threshold", confidence.device)
-        return at_least_one(confidence >= threshold[:, None], confidence)
+        return above_or_best(confidence, threshold, inclusive=True)

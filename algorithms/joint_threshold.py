@@ -25,7 +25,7 @@ import torch
 
 from .base import DllmAlgorithm, check_number, register
 from .sampling import RowNoise, TopKTopPParams, categorical, greedy
-from .selection import at_least_one, masked_confidence, per_row
+from .selection import above_or_best, masked_confidence, per_row
 
 
 MAX_POST_EDIT_STEPS = 256  # SGLang's default is 16; each one can cost a forward of the block
@@ -92,7 +92,7 @@ class JointThreshold(DllmAlgorithm):
         tokens, confidence = categorical(scores, mask_id, params, [s.noise for s in states], best)
         confidence = masked_confidence(confidence, masked)
         threshold = per_row(params, "threshold", device)
-        fill = at_least_one(confidence > threshold[:, None], confidence)
+        fill = above_or_best(confidence, threshold)
 
         edit_threshold = per_row(params, "edit_threshold", device)
         edit = (

@@ -15,7 +15,7 @@ import torch
 from .base import check_number, register
 from .confidence_rule import ConfidenceRule
 from .sampling import TopKTopPParams, categorical
-from .selection import at_least_one, per_row
+from .selection import above_or_best, per_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,4 +37,4 @@ class LowConfidence(ConfidenceRule):
         self, confidence: torch.Tensor, params: Sequence[LowConfidenceParams]
     ) -> torch.Tensor:
         threshold = per_row(params, "threshold", confidence.device)
-        return at_least_one(confidence > threshold[:, None], confidence)
+        return above_or_best(confidence, threshold)

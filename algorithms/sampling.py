@@ -18,6 +18,7 @@ depend only on its own request, never on the rest of the batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import secrets
 from collections.abc import Sequence
@@ -100,22 +101,24 @@ def sampling_rows(
 def token_probability(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """softmax(logits)[tokens] in float32 (as the published rules compute it; one fused
     softmax is faster on CPU than a logsumexp and an exp, at any vocabulary size)."""
-    return logits.float().softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    probs = (logits if logits.dtype == torch.float32 else logits.float()).softmax(-1)  # a no-op ``float`` is a dispatch
+    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def greedy_tokens(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """Argmax per position over every id but the mask id (ties: lowest id): the better of
-    the maxima left and right of the mask's column, taken on views (no copy of the logits,
-    and no read back to the host). ``max`` gives the same first index as ``argmax`` and is
-    faster on CPU."""
-    vocab = logits.shape[-1]
-    left = logits[..., :mask_id].max(-1) if mask_id > 0 else None
-    right = logits[..., mask_id + 1:].max(-1) if mask_id < vocab - 1 else None
-    if right is None:
-        return left.indices
-    if left is None:
-        return right.indices + (mask_id + 1)
-    return torch.where(right.values > left.values, right.indices + (mask_id + 1), left.indices)
+    """Argmax per position over every id but the mask id (ties: lowest id). Adding 0 leaves
+    a logit as it is and -inf rules the mask's column out, so the maximum of ``logits`` plus
+    that bias is the argmax over the other ids, in two ops and with no read back to the
+    host. ``max`` gives the same first index as ``argmax`` and is faster on CPU."""
+    return (logits + _mask_bias(logits.shape[-1], mask_id, logits.dtype, logits.device)).max(-1).indices
+
+
+@functools.lru_cache(maxsize=16)
+def _mask_bias(vocab: int, mask_id: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[vocab]`` zeros with -inf at ``mask_id`` (shared: never written)."""
+    bias = torch.zeros(vocab, dtype=dtype, device=device)
+    bias[mask_id] = float("-inf")
+    return bias
 
 
 def greedy(logits: torch.Tensor, mask_id: int) -> Proposal:

@@ -32,16 +32,19 @@ def masked_confidence(confidence: torch.Tensor, masked: torch.Tensor) -> torch.T
     return torch.where(masked, confidence, float("-inf"))
 
 
-def at_least_one(chosen: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
-    """``chosen``, or the single most confident position where a row with masks chose none.
+def above_or_best(confidence: torch.Tensor, threshold: torch.Tensor, inclusive: bool = False) -> torch.Tensor:
+    """Positions whose confidence is above ``threshold[row]`` (or equal, if ``inclusive``);
+    where a row has none, its single most confident position (ties: the lowest, like argmax).
 
-    ``confidence`` is -inf outside the masked positions (see ``masked_confidence``); rows
-    without any mask keep an empty choice. Ties go to the lowest position, like argmax.
+    ``confidence`` is -inf outside the masked positions (see ``masked_confidence``) and
+    thresholds are not negative, so only masked positions are chosen, and a row without a
+    mask gets none. Where a row chose any, its best position is among them already, so
+    marking every row's best once gives both cases in three ops, with no read back to
+    the host.
     """
-    # no early return on "every row chose": reading that back would wait for the device
-    best = torch.zeros_like(chosen).scatter_(-1, confidence.argmax(-1, keepdim=True), True)
-    best &= confidence.isfinite().any(-1, keepdim=True)
-    return torch.where(chosen.any(-1, keepdim=True), chosen, best)
+    chosen = confidence >= threshold[:, None] if inclusive else confidence > threshold[:, None]
+    best = confidence.max(-1, keepdim=True)
+    return chosen.scatter_(-1, best.indices, best.values != float("-inf"))
 
 
 def top_n(confidence: torch.Tensor, n: torch.Tensor) -> torch.Tensor:

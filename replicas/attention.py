@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from replicas.devices import to_device
+
 
 @dataclass
 class BatchLayout:
@@ -47,8 +49,8 @@ class PagedAttentionContext:
         device = k_cache[0].device
         self.k_cache = k_cache
         self.v_cache = v_cache
-        self.cache_positions = layout.cache_positions.to(device)
-        self.key_cache_positions = layout.key_cache_positions.to(device)
+        self.cache_positions = to_device(layout.cache_positions, device)
+        self.key_cache_positions = to_device(layout.key_cache_positions, device)
         unit_start = layout.unit_start.numpy()  # a host tensor: the index math runs in numpy
         counts = np.diff(unit_start)
         self.units = counts.size
@@ -59,8 +61,8 @@ class PagedAttentionContext:
         if not (counts == page_size).all():
             token_unit = np.repeat(np.arange(self.units), counts)
             offset = np.arange(unit_start[-1]) - unit_start[token_unit]
-            self.pad_index = torch.from_numpy(token_unit * page_size + offset).to(device)
-        self.mask = layout.key_valid[:, None, None, :].to(device)  # [U, 1, 1, Kmax]
+            self.pad_index = to_device(torch.from_numpy(token_unit * page_size + offset), device)
+        self.mask = to_device(layout.key_valid[:, None, None, :], device)  # [U, 1, 1, Kmax]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q[T, H, D]``, ``k``/``v[T, Hkv, D]`` -> ``[T, H, D]``."""

@@ -20,10 +20,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
 from replicas.cost_model import OnlineCostModel
+from replicas.devices import to_device
 from replicas.kv_cache import KVCache, PagePool
 from replicas.logprobs import record_step
 from replicas.models import load_model, load_tokenizer
@@ -253,27 +255,32 @@ class Engine:
             self.scheduler.update_from_step([])
             return []
         if len(requests) < batch.advances.size:  # idle rows (sync, static) computed but not advanced
-            logits = logits[torch.from_numpy(batch.advances).to(logits.device)]
+            logits = logits[to_device(torch.from_numpy(batch.advances), logits.device)]
         rows, page_indices = [r.row for r in requests], [r.active_page_index for r in requests]
-        blocks = self.rows.blocks(rows, page_indices).to(logits.device)
-        fed_masks = (blocks == self.spec.mask_token_id).any(-1)
+        fed = self.rows.blocks(rows, page_indices)  # the blocks as fed to the forward (host)
+        mask_id = self.spec.mask_token_id
+        fed_masked = (fed == mask_id).any(-1)
+        kv_stale = fed_masked.tolist()  # fed with masks: their final KV is still to write
+        blocks = to_device(torch.from_numpy(fed), logits.device)  # may share ``fed``'s memory: read above
         asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         before = blocks[asking] if asking else None  # a copy (indexed by a list)
-        done = self._run_algorithms(requests, logits, blocks)
+        done = self._run_algorithms(requests, logits, blocks, ~fed_masked)
         if asking:
             self._record_logprobs([requests[i] for i in asking], logits[asking], before, blocks[asking])
-        if self.config.fused_commit:
-            filled = (blocks != self.spec.mask_token_id).all(-1)
-            final = [r.algorithm.final_when_filled and r.finish_reason is None for r in requests]
-            done |= filled if all(final) else filled & torch.tensor(final, device=blocks.device)
-        # one read of the blocks' tokens and both flags (on a GPU, the step's one wait)
-        read = torch.cat([blocks, done[:, None], fed_masks[:, None]], 1).tolist()
-        block_ids = [row[:-2] for row in read]
+        # one read of the blocks' tokens (and done flags): on a GPU, the step's one wait
+        if done is None:
+            block_ids, done = blocks.tolist(), [not stale for stale in kv_stale]
+        else:
+            read = torch.cat([blocks, done[:, None]], 1).tolist()
+            block_ids, done = [row[:-1] for row in read], [row[-1] for row in read]
         self.rows.write_blocks(rows, page_indices, block_ids)
-        commits = [self._commit(request, ids) if row[-2] else None
-                   for request, ids, row in zip(requests, block_ids, read)]
-        # a block committed at the step that filled it: its cached KV is the masked one
-        self.scheduler.update_from_step(commits, kv_stale=[bool(row[-1]) for row in read], block_ids=block_ids)
+        if self.config.fused_commit:  # a filled block of a rule that never edits is final now
+            done = [is_done or (mask_id not in ids and request.algorithm.final_when_filled
+                                and request.finish_reason is None)
+                    for is_done, ids, request in zip(done, block_ids, requests)]
+        commits = [self._commit(request, ids) if is_done else None
+                   for request, ids, is_done in zip(requests, block_ids, done)]
+        self.scheduler.update_from_step(commits, kv_stale=kv_stale, block_ids=block_ids)
         committed = []
         for request, commit in zip(requests, commits):
             if commit is None:
@@ -311,23 +318,27 @@ class Engine:
             engine_s=self.clock() - request.arrival_time,
             logprobs=None if request.params.logprobs is None else list(logprobs or ())))
 
-    def _run_algorithms(self, requests: list[Request], logits: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """One algorithm step per block, in place; [R] bool: the block is done. A failing
-        algorithm fails its requests (their blocks stay not done)."""
+    def _run_algorithms(self, requests: list[Request], logits: torch.Tensor, blocks: torch.Tensor,
+                        fed_unmasked: np.ndarray) -> torch.Tensor | None:
+        """One algorithm step per block, in place; [R] bool: the block is done, or None where
+        that is ``fed_unmasked`` (see ``DllmAlgorithm.step``). A failing algorithm fails its
+        requests (their blocks stay not done)."""
         groups = self._group_by_algorithm(requests)
         if len(groups) == 1:  # the common case: the whole batch, no gather or scatter
             [algorithm] = groups
             return self._step_algorithm(algorithm, requests, logits, blocks)
-        done = torch.zeros(len(requests), dtype=torch.bool, device=blocks.device)
+        done = to_device(torch.from_numpy(fed_unmasked), logits.device)
         for algorithm, members in groups.items():
-            index = torch.tensor(members, device=blocks.device)
+            index = to_device(torch.tensor(members), logits.device)
             sub_blocks = blocks[index]
-            done[index] = self._step_algorithm(algorithm, [requests[i] for i in members], logits[index], sub_blocks)
+            sub_done = self._step_algorithm(algorithm, [requests[i] for i in members], logits[index], sub_blocks)
+            if sub_done is not None:
+                done[index] = sub_done
             blocks[index] = sub_blocks
         return done
 
     def _step_algorithm(self, algorithm: DllmAlgorithm, requests: list[Request], logits: torch.Tensor,
-                        blocks: torch.Tensor) -> torch.Tensor:
+                        blocks: torch.Tensor) -> torch.Tensor | None:
         """``algorithm``'s step over its rows; a failure fails them (none done)."""
         try:
             return algorithm.step(logits, blocks, self.spec.mask_token_id, [r.algorithm_params for r in requests],

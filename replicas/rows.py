@@ -92,9 +92,9 @@ class RowTable:
     def release(self, row: int) -> None:
         self._free.append(row)
 
-    def blocks(self, rows: Sequence[int], page_indices: Sequence[int]) -> torch.Tensor:
-        """Copy of the active blocks ``[B, L]`` (a host tensor)."""
-        return torch.from_numpy(self.tokens[rows, page_indices])
+    def blocks(self, rows: Sequence[int], page_indices: Sequence[int]) -> np.ndarray:
+        """Copy of the active blocks ``[B, L]``."""
+        return self.tokens[rows, page_indices]
 
     def write_blocks(self, rows: Sequence[int], page_indices: Sequence[int], blocks) -> None:
         """``blocks``: ``[B, L]`` ids (nested lists or an array)."""

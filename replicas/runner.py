@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from replicas.attention import BatchLayout, paged_context, resolve_backend
+from replicas.devices import to_device
 from replicas.scheduled_batch import ScheduledBatch
 from replicas.kv_cache import KVCache, PagePool
 from replicas.rows import RowTable
@@ -190,8 +191,8 @@ class ModelRunner:
         input_ids, positions, layout, logits_index = self.build_inputs(batch, refreshed)
         timer = ForwardTimer(self.device)
         context = paged_context(self.backend, layout, self.kv_cache.k, self.kv_cache.v, self.block_length)
-        logits = self.model(input_ids.to(self.device), positions.to(self.device), context,
-                            logits_index.view(-1).to(self.device))
+        logits = self.model(to_device(input_ids, self.device), to_device(positions, self.device), context,
+                            to_device(logits_index.view(-1), self.device))
         logits = logits.view(-1, self.block_length, logits.shape[-1])
         if self.shift_logits:
             logits = self._keep_first_logits(logits, batch, refreshed)
@@ -201,8 +202,8 @@ class ModelRunner:
         """Store refreshed rows' first-position logits per row; reuse them for the others."""
         if self._first_logits is None:
             self._first_logits = logits.new_zeros(self.rows.num_rows, logits.shape[-1])
-        block_rows = torch.from_numpy(batch.block_rows).to(logits.device)
-        refreshed = torch.from_numpy(refreshed).to(logits.device)
+        block_rows = to_device(torch.from_numpy(batch.block_rows), logits.device)
+        refreshed = to_device(torch.from_numpy(refreshed), logits.device)
         self._first_logits[block_rows[refreshed]] = logits[refreshed, 0]
         logits[~refreshed, 0] = self._first_logits[block_rows[~refreshed]]
         return logits

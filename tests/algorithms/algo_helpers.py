@@ -33,8 +33,16 @@ def run_step(name: str, logits: torch.Tensor, block: torch.Tensor, overrides=Non
     if states is None:
         states = [algorithm.init_state(p, 0) for p in params]
     block = block.clone()
-    done = algorithm.step(logits, block, MASK, params, states)
+    done = step_done(algorithm, logits, block, MASK, params, states)
     return block, done, states
+
+
+def step_done(algorithm, logits: torch.Tensor, block: torch.Tensor, mask_id: int, params, states) -> torch.Tensor:
+    """``algorithm.step`` on ``block`` (in place) and its done flags: what it returned, or
+    where it returns None, the rows fed with no mask (as the engine reads it)."""
+    fed_unmasked = ~(block == mask_id).any(-1)
+    done = algorithm.step(logits, block, mask_id, params, states)
+    return fed_unmasked if done is None else done
 
 
 def filled(before: torch.Tensor, after: torch.Tensor) -> list[list[int]]:

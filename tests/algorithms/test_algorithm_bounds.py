@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from algo_helpers import step_done
 from algorithms import AlgorithmError, available_algorithms, get_algorithm
 from algorithms.base import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
 from algorithms.fast_dllm_factor import MAX_FACTOR
@@ -141,7 +142,7 @@ def test_whatever_make_params_accepts_runs_a_step_beside_a_default_row(case):
     block[:, :2] = torch.tensor([1, 2])
     states = [algorithm.init_state(p, 0) for p in rows]
     logits = torch.randn(2, length, vocab, generator=torch.Generator().manual_seed(0)) * 3
-    done = algorithm.step(logits, block, mask_id, rows, states)
+    done = step_done(algorithm, logits, block, mask_id, rows, states)
     assert done.shape == (2,) and not done.any()  # both rows had masks
     assert ((block >= 0) & (block < vocab)).all()
     if algorithm.fills_every_step:

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from algo_helpers import step_done
 from algorithms import available_algorithms, get_algorithm
 
 EDITING = {"joint_threshold"}
@@ -108,8 +109,8 @@ def drive(case: Case, rows: list[int]) -> tuple[torch.Tensor, list[int]]:
         logits = case.logits(step)[rows][active]
         before = block[active]
         after = before.clone()
-        done = algorithm.step(
-            logits, after, case.mask_id, [params[i] for i in active], [states[i] for i in active]
+        done = step_done(
+            algorithm, logits, after, case.mask_id, [params[i] for i in active], [states[i] for i in active]
         )
         check_step(case.name, before, after, done, case.mask_id, generated[active])
         block[active] = after
