@@ -140,18 +140,24 @@ class ModelRunner:
         unit_row, page_index, unit_count, unit_is_block, unit_scratch = self._units(batch, refreshed)
         flat_page = unit_row * rows.max_pages + page_index
         valid = offsets < unit_count[:, None]  # [U, L]
-        input_ids = rows.tokens.reshape(-1, size)[flat_page][valid]
+        whole = valid.all()  # whole pages only (denoise steps): no token to drop
+
+        def packed(per_unit: np.ndarray) -> np.ndarray:  # [U, L] -> the [T] fed tokens'
+            return per_unit.reshape(-1) if whole else per_unit[valid]
+
+        input_ids = packed(rows.tokens.reshape(-1, size)[flat_page])
         prompt_pages = rows.prompt_pages[unit_row]
         prompt_tail = rows.prompt_tail[unit_row]
         positions = page_index[:, None] * size + offsets
         if self.contiguous_positions:  # no gap between the prompt's last token and the blocks
             positions = positions - ((page_index >= prompt_pages) * (size - prompt_tail))[:, None]
-        positions = positions[valid]
+        positions = packed(positions)
         page = np.where(unit_scratch, PagePool.SCRATCH_PAGE, rows.page_table.reshape(-1)[flat_page])
-        cache_positions = (page[:, None] * size + offsets)[valid]
+        cache_positions = packed(page[:, None] * size + offsets)
 
-        unit_start = np.zeros(unit_count.size + 1, dtype=np.int64)
-        np.cumsum(unit_count, out=unit_start[1:])
+        unit_start = np.empty(unit_count.size + 1, dtype=np.int64)
+        unit_start[0] = 0
+        unit_count.cumsum(out=unit_start[1:])
         if self.full_canvas:  # every page of the row's canvas
             sees = rows.last_page[unit_row]
         elif self.bidirectional:  # every page of the row up to its active block
@@ -163,12 +169,13 @@ class ModelRunner:
         key_pages = int(sees.max()) + 1
         table = rows.page_table[unit_row, :key_pages]
         key_cache_positions = (table[:, :, None] * size + offsets).reshape(-1, key_pages * size)
-        key_page_index = np.repeat(np.arange(key_pages), size)
-        key_offset = np.tile(offsets, key_pages)
-        key_valid = (key_page_index <= sees[:, None]) & (
-            (key_page_index != prompt_pages[:, None] - 1) | (key_offset < prompt_tail[:, None]))
+        # [U, pages, L] from page-level [U, pages, 1] and offset-level [U, 1, L] conditions
+        key_page = np.arange(key_pages)
+        key_valid = (key_page <= sees[:, None])[:, :, None] & (
+            (key_page != prompt_pages[:, None] - 1)[:, :, None] | (offsets < prompt_tail[:, None])[:, None, :])
         if self.full_canvas:
-            key_valid &= (key_page_index != sees[:, None]) | (key_offset < rows.last_tail[unit_row][:, None])
+            key_valid &= (key_page != sees[:, None])[:, :, None] | (offsets < rows.last_tail[unit_row][:, None])[:, None, :]
+        key_valid = key_valid.reshape(-1, key_pages * size)
 
         logits_index = unit_start[:-1][unit_is_block][:, None] + offsets  # [R, L]
         if self.shift_logits:  # position i reads the output at i - 1; the first, the token before
