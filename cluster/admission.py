@@ -54,6 +54,7 @@ this ingress's own outstanding charges, which it knows live.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import weakref
@@ -65,6 +66,8 @@ from cluster.config import AdmissionSettings, SLOSettings
 from replicas.cost_model import DrainModel, mean_steps
 from replicas.limits import request_cost, steps_quantile
 from replicas.reports import MIN_STALE_S, ReplicaView
+
+log = logging.getLogger(__name__)
 
 
 
@@ -98,6 +101,7 @@ class AdmissionController:
         self.ingress_replicas = 1  # live ingress replicas, this one included (set by the ingress)
         self._measured_steps: float | None = None
         self._slo_s = self.slo.latency_for(())
+        self._refusals_in_a_row = 0  # logged when refusing starts and when it ends
 
     # ---- the replicas' reports -----------------------------------------------------------
     def update_view(self, view: Mapping[str, Mapping]) -> None:
@@ -181,7 +185,7 @@ class AdmissionController:
     def _decide(self, cost: float, slo_s: float | None = None) -> Decision:
         ahead = self.work_ahead()
         if not self.settings.enabled or ahead <= 0:
-            return Decision(True)
+            return self._admitted()
         bound = self.settings.max_step_debt_per_replica
         headroom = self.settings.slo_headroom
         if bound is None:
@@ -191,7 +195,28 @@ class AdmissionController:
             excess_s = (ahead + cost - bound * (len(self.view) or self.min_replicas)) / self._drain()[0]
             if slo_s is not None:
                 excess_s = max(excess_s, self.predicted_s(cost) - slo_s * headroom)
-        return Decision(True) if excess_s <= 0 else Decision(False, max(1, math.ceil(excess_s)))
+        if excess_s <= 0:
+            return self._admitted()
+        if not self._refusals_in_a_row:
+            log.warning("refusing from now: %s", self._explain(cost, excess_s))
+        self._refusals_in_a_row += 1
+        return Decision(False, max(1, math.ceil(excess_s)))
+
+    def _admitted(self) -> Decision:
+        if self._refusals_in_a_row:
+            log.warning("admitting again after %d refusal(s)", self._refusals_in_a_row)
+            self._refusals_in_a_row = 0
+        return Decision(True)
+
+    def _explain(self, cost: float, excess_s: float) -> str:
+        """The parts of a refusal's prediction, for the log."""
+        (models, batch), (rate, step_s) = self._queue(), self._drain()
+        fits = ", ".join(f"c0 {m.c0 * 1e3:.2f} ms c1 {m.c1 * 1e3:.3f} ms" for m in models)
+        source = f"{len(self.view)} replica report(s)" if self.view else "no replica report yet (the prior)"
+        return (f"predicted {self.predicted_s(cost):.2f} s, {excess_s:.2f} s over {self.settings.slo_headroom:g} x "
+                f"the SLO {self._slo_s:g} s; work ahead {self.work_ahead():.0f} + this request {cost:.0f} row-steps, "
+                f"drained at {rate:.0f} row-steps/s (batch {batch}; {fits}; from {source}), "
+                f"{self.ingress_replicas} ingress replica(s), {self.outstanding:.0f} row-steps outstanding here")
 
     # ---- decisions and charges -------------------------------------------------------------
     def quick_refusal(self, blocks: int = 1, slo_s: float | None = None) -> Decision | None:

@@ -45,6 +45,7 @@ from replicas.stats import EngineTotals, StepStats
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WARM_UP_SWEEPS = 3  # ``Engine.warm_up``: its step measurements keep the fastest of this many
 
 
 class InjectedFault(RuntimeError):
@@ -273,7 +274,8 @@ class Engine:
         else:
             read = torch.cat([blocks, done[:, None]], 1).tolist()
             block_ids, done = [row[:-1] for row in read], [row[-1] for row in read]
-        self.rows.write_blocks(rows, page_indices, block_ids)
+        # on the host the step wrote ``fed`` itself (``blocks`` shares it): no lists to convert
+        self.rows.write_blocks(rows, page_indices, fed if blocks.device.type == "cpu" else block_ids)
         if self.config.fused_commit:  # a filled block of a rule that never edits is final now
             done = [is_done or (mask_id not in ids and request.algorithm.final_when_filled
                                 and request.finish_reason is None)
@@ -414,14 +416,23 @@ class Engine:
         """Measure the step cost before serving: closed batches of one-block requests of 1,
         half and all ``max_batch`` rows (after one that pays the first forward's set-up), so
         that the first stats report carries a step-cost fit over the batches admission will
-        see. Only the step records stay: the requests' counts and totals are forgotten."""
+        see. The batches run ``WARM_UP_SWEEPS`` times and each kind of step (rows, prompt
+        pages) keeps its fastest measurements, one sweep's worth: a replica starts while
+        the rest of the cluster does, and steps slowed down by the other processes would
+        have admission refuse what the replica can serve until real steps replace them.
+        Only the step records stay: the requests' counts and totals are forgotten."""
         params = SamplingParams(max_tokens=self.block_length, ignore_eos=True)
         prompt = [self.spec.eos_token_id]
         self.generate([prompt], params)
+        measured: dict[tuple[int, int], list[float]] = {}
+        for _ in range(WARM_UP_SWEEPS):
+            for rows in sorted({1, max(1, self.config.max_batch // 2), self.config.max_batch}):
+                self.generate([prompt] * rows, params, on_step=lambda s: measured.setdefault(
+                    (s.batch_size, s.prompt_pages), []).append(s.step_s))
         self.cost_model.forget()
-        for rows in sorted({1, max(1, self.config.max_batch // 2), self.config.max_batch}):
-            self.generate([prompt] * rows, params)
-        self.cost_model.forget(steps=False)
+        for (rows, pages), seconds in measured.items():
+            for fastest in sorted(seconds)[:-(-len(seconds) // WARM_UP_SWEEPS)]:
+                self.cost_model.observe_step(rows, fastest, (), pages)
         self.totals = EngineTotals()
 
     # ---- offline convenience ---------------------------------------------------------

@@ -261,3 +261,17 @@ def test_finished_work_stops_counting_at_once():
     assert adm.work_ahead() == 0  # both finished before the next report
     adm.update_view({"a": replica(debt=0, live=0, stats_time=100.3)})
     assert adm.work_ahead() == 0
+
+
+def test_the_log_says_why_refusing_starts_and_when_it_ends(caplog):
+    adm = controller(slo_latency_s=5.0, min_replicas=1)
+    adm.update_view({"a": replica(debt=5000, live=200)})
+    with caplog.at_level("INFO", logger="cluster.admission"):
+        for _ in range(3):
+            assert not admit(adm, 20).admitted
+        adm.update_view({"a": replica(debt=0, live=0, stats_time=200.0)})
+        assert admit(adm, 20).admitted
+    [start, end] = [r.getMessage() for r in caplog.records]
+    assert start.startswith("refusing from now: predicted ") and "work ahead 5000 + this request 20" in start
+    assert "c0 7.00 ms c1 2.000 ms" in start and "from 1 replica report(s)" in start
+    assert end == "admitting again after 3 refusal(s)"

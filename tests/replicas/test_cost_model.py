@@ -121,3 +121,28 @@ def test_monitor_reports_the_drain_model_and_longest_request():
     scaling = monitor.autoscaling_stats()
     assert scaling["drain_row_steps_per_s"] == stats["drain_row_steps_per_s"]
     assert scaling["longest_request_s"] == stats["longest_request_s"]
+
+
+def test_warm_up_keeps_the_fastest_steps_of_its_sweeps(make_engine):
+    """A replica warms up while the rest of the cluster starts: steps the other processes
+    slow down (here: one whole sweep, 0.1 s a forward) must not reach the first report's fit."""
+    engine = make_engine(max_batch=2)
+    generate, calls, slowed = engine.generate, [], []
+
+    def first_sweep_slowed(prompts, params, on_step=None):
+        calls.append(len(prompts))
+        slowed[:] = [2 <= len(calls) <= 3]  # after the set-up batch: the sweep's batches of 1 and 2 rows
+        try:
+            return generate(prompts, params, on_step)
+        finally:
+            slowed[:] = [False]
+
+    engine.generate = first_sweep_slowed
+    hook = engine.model.register_forward_pre_hook(lambda *_: time.sleep(0.1) if slowed[0] else None)
+    try:
+        engine.warm_up()
+    finally:
+        hook.remove()
+    assert calls == [1] + [1, 2] * 3
+    model = engine.cost_model.drain_model()
+    assert model.step_s(1) < 0.025 and model.step_s(2) < 0.025  # with the slowed sweep: >= 0.033
