@@ -109,7 +109,7 @@ class AsyncEngine:
             except RuntimeError:  # the caller's loop is gone (e.g. the abort after a disconnect)
                 pass
 
-        request_id = self.engine.add_request(prompt, params, request_id, on_output=deliver)
+        request_id = self.engine.add_request(prompt, params, request_id, on_output=deliver, whole=whole)
         self._wake.set()
         finished = False
         try:

@@ -79,7 +79,8 @@ class Detokenizer:
         held = 0 if final else held_suffix(candidate, self.stops)
         self._held = candidate[len(candidate) - held:]
         self._taken = end
-        self._slide(ids, window)
+        if not final:  # nothing follows the last feed
+            self._slide(ids, window)
         return candidate[:len(candidate) - held], None
 
     def _slide(self, ids: Sequence[int], window: str) -> None:

@@ -128,8 +128,10 @@ class Engine:
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                      request_id: str | None = None,
-                     on_output: Callable[[GenerateChunk], None] | None = None) -> Request:
-        """Validate and build a request (raises RequestError); does not enqueue it."""
+                     on_output: Callable[[GenerateChunk], None] | None = None, whole: bool = False) -> Request:
+        """Validate and build a request (raises RequestError); does not enqueue it. ``whole``:
+        its caller joins the chunks into one answer (``messages.joined``), so without stop
+        strings the text comes once, in the last chunk (``Request.text_at_end``)."""
         params = params or SamplingParams()
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         problem = request_problem(prompt_ids, params.max_tokens, self.spec, self.shape.max_model_len, self.pool.capacity,
@@ -153,6 +155,7 @@ class Engine:
             arrival_time=self.clock(),
             on_output=on_output,
             aligned=self.shape.aligned,
+            text_at_end=whole and not params.stop,
             output_ids=list(params.resume_ids),
             detokenizer=self.outputs.detokenizer(params),
             block_logprobs=None if params.logprobs is None else [None] * self.block_length,
@@ -161,8 +164,8 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None,
-                    on_output: Callable[[GenerateChunk], None] | None = None) -> str:
-        request = self.make_request(prompt, params, request_id, on_output)
+                    on_output: Callable[[GenerateChunk], None] | None = None, whole: bool = False) -> str:
+        request = self.make_request(prompt, params, request_id, on_output, whole)
         with self._inbox_lock:
             self._inbox.append(request)
         return request.request_id
@@ -446,7 +449,7 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         chunks: list[list[GenerateChunk]] = [[] for _ in prompts]
         for prompt, p, sink in zip(prompts, params, chunks):
-            self.add_request(prompt, p, on_output=sink.append)
+            self.add_request(prompt, p, on_output=sink.append, whole=True)
         while self.has_work():
             stats = self.step()
             if stats is None:

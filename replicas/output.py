@@ -56,7 +56,8 @@ class OutputProcessor:
                      logprobs: Sequence[TokenLogprob | None] | None = None) -> BlockCommit:
         """What appending a done block (its answer ids, ``logprobs`` aligned with them) to
         ``request``'s output adds, and whether it ends it (EOS, max_tokens, a stop string).
-        Advances the request's detokenizer; the request itself is left to the scheduler."""
+        Advances the request's detokenizer (a ``text_at_end`` request's with its last block
+        only, all its text at once); the request itself is left to the scheduler."""
         params = request.params
         finish = None
         end = None
@@ -69,11 +70,14 @@ class OutputProcessor:
         if len(block_ids) >= room:
             block_ids = block_ids[:room]
             finish = finish or FinishReason.LENGTH
+        logprobs = None if logprobs is None else list(logprobs[:len(block_ids)])
+        if request.text_at_end and finish is None:
+            return BlockCommit(block_ids, "", None, self.clock(), logprobs)
         before = len(request.output_ids)
         output = request.output_ids + block_ids
         new_text, kept = request.detokenizer.feed(output, before, final=finish is not None)
         if kept is not None:  # a stop string ended here: the output ends with it
             block_ids = output[before:kept]
             finish = FinishReason.STOP
-        return BlockCommit(block_ids, new_text, finish, self.clock(),
-                           None if logprobs is None else list(logprobs[:len(block_ids)]))
+            logprobs = None if logprobs is None else logprobs[:len(block_ids)]
+        return BlockCommit(block_ids, new_text, finish, self.clock(), logprobs)

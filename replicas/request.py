@@ -40,6 +40,9 @@ class Request:
     # blocks aligned to the sequence's start (EngineConfig.block_alignment 'prompt'): the
     # first answer block is the one holding the prompt's (or the resumed output's) end
     aligned: bool = False
+    # the caller takes the whole answer at once and no stop string needs its text as it
+    # comes: the text is decoded once, with the block that ends the answer
+    text_at_end: bool = False
     # (the fields above never change: the cached properties below derive from them)
 
     # where the request stands and what it produced: changed by the scheduler only

@@ -185,8 +185,26 @@ def test_a_whole_answer_wakes_the_caller_once_and_shows_each_block_in_the_engine
     assert len(streamed) == 4 and len(whole) == 1 and len(handed) == 1
     answer = lambda c: (c.text, c.token_ids, c.block_steps, c.finish_reason)  # noqa: E731 (not its timing or cache hits)
     assert answer(whole[0]) == answer(joined(streamed))
-    assert [answer(c) for _, c in seen] == [answer(c) for c in streamed]
+    block = lambda c: (c.token_ids, c.block_steps, c.finish_reason)  # noqa: E731
+    assert [block(c) for _, c in seen] == [block(c) for c in streamed]
+    # the text comes once, with the last block (no stop string needs it sooner)
+    assert [c.text for _, c in seen] == ["", "", "", joined(streamed).text]
     assert {name for name, _ in seen} == {"dllm-engine"}
+
+
+@pytest.mark.parametrize("stop, decodes", [((), "once"), (("never there",), "per block")])
+def test_a_whole_answer_is_decoded_once_unless_a_stop_string_needs_its_text_sooner(make_engine, stop, decodes):
+    engine = make_engine()
+    decode, sizes = engine.outputs.decode, []
+    engine.outputs.decode = lambda ids: sizes.append(len(ids)) or decode(ids)
+    params = SamplingParams(max_tokens=64, ignore_eos=True, stop=stop, algorithm_params={"seed": 3})
+    [whole] = engine.generate(["abc"], params)
+    streaming, chunks = make_engine(), []
+    streaming.add_request("abc", params, on_output=chunks.append)  # text block by block
+    while streaming.has_work():
+        streaming.step()
+    assert whole.text == joined(chunks).text and len(whole.token_ids) == 64 and len(chunks) == 4
+    assert sizes == [64] if decodes == "once" else len(sizes) >= 4
 
 
 def test_async_cancel_aborts_and_frees_pages(make_engine):
