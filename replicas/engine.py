@@ -260,7 +260,9 @@ class Engine:
             return []
         if len(requests) < batch.advances.size:  # idle rows (sync, static) computed but not advanced
             logits = logits[to_device(torch.from_numpy(batch.advances), logits.device)]
-        rows, page_indices = [r.row for r in requests], [r.active_page_index for r in requests]
+        advanced = batch.unit_is_block.copy()
+        advanced[advanced] = batch.advances  # the stepped requests' block units, in their order
+        rows, page_indices = batch.unit_row[advanced], batch.unit_page_index[advanced]
         fed = self.rows.blocks(rows, page_indices)  # the blocks as fed to the forward (host)
         mask_id = self.spec.mask_token_id
         fed_masked = (fed == mask_id).any(-1)

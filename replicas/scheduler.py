@@ -145,16 +145,17 @@ class Scheduler:
         or at a page cached already (by another request meanwhile: its copy stays its own).
         Unaligned after a partial page, an answer starts on a page of its own, which a later
         prompt never continues."""
+        allocation, prefix_pages = request.allocation, request.prefix_pages
+        shared, continues = allocation.shared, request.answer_continues_prompt
         for index in range(first, end):
-            shared = request.allocation.shared
-            if len(shared) != index or (index >= request.prefix_pages and not request.answer_continues_prompt):
+            if len(shared) != index or (index >= prefix_pages and not continues):
                 break
             parent = shared[-1] if shared else None
-            tokens = request.prefix_keys[index] if index < request.prefix_pages else block
-            node = self.cache.insert(parent, tokens, request.allocation.pages[index])
+            tokens = request.prefix_keys[index] if index < prefix_pages else block
+            node = self.cache.insert(parent, tokens, allocation.pages[index])
             if node is None:
                 break
-            request.allocation.share(node)
+            allocation.share(node)
 
     def _apply(self, request: Request, commit: BlockCommit) -> None:
         """A done block into the request's output and record."""
