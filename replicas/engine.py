@@ -234,7 +234,7 @@ class Engine:
         committed = self._denoise_and_commit(batch, logits)
         stats = StepStats(
             batch_size=batch.num_rows,
-            active_rows=int(batch.advances.sum()),
+            active_rows=len(self.scheduler.stepped),
             num_tokens=batch.num_tokens,
             forward_s=forward_timer.seconds(),
             step_s=time.perf_counter() - start,
