@@ -69,6 +69,8 @@ from replicas.reports import MIN_STALE_S, ReplicaView
 
 log = logging.getLogger(__name__)
 
+REFUSAL_LOG_EVERY_S = 10.0  # the refusal warning's least interval
+
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ class AdmissionController:
         self.ingress_replicas = 1  # live ingress replicas, this one included (set by the ingress)
         self._measured_steps: float | None = None
         self._slo_s = self.slo.latency_for(())
-        self._refusals_in_a_row = 0  # logged when refusing starts and when it ends
+        self._refusals_unlogged = 0  # refusals since the last refusal warning
+        self._refusal_logged_at: float | None = None
 
     # ---- the replicas' reports -----------------------------------------------------------
     def update_view(self, view: Mapping[str, Mapping]) -> None:
@@ -185,7 +188,7 @@ class AdmissionController:
     def _decide(self, cost: float, slo_s: float | None = None) -> Decision:
         ahead = self.work_ahead()
         if not self.settings.enabled or ahead <= 0:
-            return self._admitted()
+            return Decision(True)
         bound = self.settings.max_step_debt_per_replica
         headroom = self.settings.slo_headroom
         if bound is None:
@@ -196,17 +199,20 @@ class AdmissionController:
             if slo_s is not None:
                 excess_s = max(excess_s, self.predicted_s(cost) - slo_s * headroom)
         if excess_s <= 0:
-            return self._admitted()
-        if not self._refusals_in_a_row:
-            log.warning("refusing from now: %s", self._explain(cost, excess_s))
-        self._refusals_in_a_row += 1
+            return Decision(True)
+        self._log_refusal(cost, excess_s)
         return Decision(False, max(1, math.ceil(excess_s)))
 
-    def _admitted(self) -> Decision:
-        if self._refusals_in_a_row:
-            log.warning("admitting again after %d refusal(s)", self._refusals_in_a_row)
-            self._refusals_in_a_row = 0
-        return Decision(True)
+    def _log_refusal(self, cost: float, excess_s: float) -> None:
+        """A warning with the prediction's parts at the first refusal, then at most one every
+        ``REFUSAL_LOG_EVERY_S`` with the refusals since (overload refuses hundreds a second)."""
+        self._refusals_unlogged += 1
+        now, last = self.clock(), self._refusal_logged_at
+        if last is not None and now - last < REFUSAL_LOG_EVERY_S:
+            return
+        since = "" if last is None else f" ({self._refusals_unlogged} in the last {now - last:.0f} s)"
+        log.warning("refusing%s: %s", since, self._explain(cost, excess_s))
+        self._refusal_logged_at, self._refusals_unlogged = now, 0
 
     def _explain(self, cost: float, excess_s: float) -> str:
         """The parts of a refusal's prediction, for the log."""

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cluster.admission import AdmissionController
+from cluster.admission import REFUSAL_LOG_EVERY_S, AdmissionController
 from cluster.config import SLO_FLOOR_S, SLO_MULTIPLE, AdmissionSettings
 from replicas.cost_model import DrainModel
 from replicas.limits import SLO_HEADROOM
@@ -263,15 +263,18 @@ def test_finished_work_stops_counting_at_once():
     assert adm.work_ahead() == 0
 
 
-def test_the_log_says_why_refusing_starts_and_when_it_ends(caplog):
-    adm = controller(slo_latency_s=5.0, min_replicas=1)
+def test_the_log_says_why_it_refuses_once_and_then_every_ten_seconds_at_most(caplog):
+    now = [100.0]
+    adm = controller(slo_latency_s=5.0, min_replicas=1, clock=lambda: now[0])
     adm.update_view({"a": replica(debt=5000, live=200)})
-    with caplog.at_level("INFO", logger="cluster.admission"):
+    with caplog.at_level("WARNING", logger="cluster.admission"):
         for _ in range(3):
             assert not admit(adm, 20).admitted
-        adm.update_view({"a": replica(debt=0, live=0, stats_time=200.0)})
-        assert admit(adm, 20).admitted
-    [start, end] = [r.getMessage() for r in caplog.records]
-    assert start.startswith("refusing from now: predicted ") and "work ahead 5000 + this request 20" in start
-    assert "c0 7.00 ms c1 2.000 ms" in start and "from 1 replica report(s)" in start
-    assert end == "admitting again after 3 refusal(s)"
+        now[0] += REFUSAL_LOG_EVERY_S - 0.5
+        assert not admit(adm, 20).admitted
+        now[0] += 1.0
+        assert not admit(adm, 20).admitted
+    [first, later] = [r.getMessage() for r in caplog.records]
+    assert first.startswith("refusing: predicted ") and "work ahead 5000 + this request 20" in first
+    assert "c0 7.00 ms c1 2.000 ms" in first and "from 1 replica report(s)" in first
+    assert later.startswith("refusing (4 in the last 10 s): predicted ")
