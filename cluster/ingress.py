@@ -55,7 +55,7 @@ from cluster.errors import APIError, bad_request, install_error_handlers, intern
 from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.front_door import FrontDoor
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
-from cluster.request_path import path_in_this_process
+from cluster.request_path import logs_to_stderr_in_this_process, path_in_this_process
 from cluster.router import PrefixMemory
 from replicas.limits import aligned_head, blocks_needed, prompt_pages
 from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, SamplingParams, joined, request_problem
@@ -161,6 +161,7 @@ class Ingress:
         return {"status": "ok", "draining": self.draining, "replicas_reporting": len(self.admission.view),
                 "slo_latency_s": self.admission.slo_latency_s,  # the SLO in force; `bench overload` reads it
                 "request_path": self.request_path,
+                "replica_stderr_kept": logs_to_stderr_in_this_process(),  # where the project's warnings go
                 # the replicas' CPU seconds in forwards and in engine steps so far, as last reported:
                 # `bench overload` shows their process CPU apart from them
                 "forward_cpu_s": sum(v.forward_cpu_s for v in self.admission.view.values()),

@@ -43,6 +43,10 @@ THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+# "1": replicas keep their stderr. The throughput bundle sets it to 0, which sends a replica's
+# stderr into its Serve log file through a buffer flushed every 1,000 records: with the access
+# log off, the project's warnings (admission refusing, an engine step failing) reached no one
+LOG_TO_STDERR_ENV = "RAY_SERVE_LOG_TO_STDERR"
 OWN_HTTP_ENV = "DLLM_INGRESS_SERVES_HTTP"  # "1": the ingress replicas serve HTTP themselves (path 'ingress')
 _HAPROXY_FILES = {  # Serve's setting -> file name inside the run directory
     "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
@@ -96,7 +100,8 @@ def serve_environment(path: RequestPath, run_dir: str | None = None, stats_port:
     """The environment variables that select ``path`` for Serve's processes. With HAProxy,
     its files go under ``run_dir``, its stats and metrics listeners on the given ports, and
     the Serve proxy it falls back to on ``fallback_ports`` (HTTP, gRPC)."""
-    env = {THROUGHPUT_ENV: "0" if path == "proxy" else "1", HAPROXY_ENV: "1" if path == "haproxy" else "0"}
+    env = {THROUGHPUT_ENV: "0" if path == "proxy" else "1", HAPROXY_ENV: "1" if path == "haproxy" else "0",
+           LOG_TO_STDERR_ENV: "1"}
     if path == "ingress":  # no HTTP server of Serve's in the replicas (the bundle would start one), no proxy
         env.update({OWN_HTTP_ENV: "1", DIRECT_INGRESS_ENV: "0"})
     if path == "haproxy":
@@ -121,6 +126,13 @@ def path_in_this_process() -> RequestPath:
     if constants.RAY_SERVE_ENABLE_HA_PROXY:
         return "haproxy"
     return "throughput" if constants.RAY_SERVE_THROUGHPUT_OPTIMIZED else "proxy"
+
+
+def logs_to_stderr_in_this_process() -> bool:
+    """Whether Serve leaves this replica's stderr alone (``LOG_TO_STDERR_ENV``), as it read it."""
+    from ray.serve._private import constants
+
+    return bool(constants.RAY_SERVE_LOG_TO_STDERR)
 
 
 class LocalRequestPath:

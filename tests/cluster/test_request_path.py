@@ -2,8 +2,11 @@
 
 import os
 
+import pytest
+
 from cluster.request_path import (DIRECT_INGRESS_ENV, FALLBACK_PORT_ENVS, HAPROXY_ENV, HAPROXY_STATS_PORT_ENV,
-                                  OWN_HTTP_ENV, THROUGHPUT_ENV, LocalRequestPath, on_kubernetes, serve_environment)
+                                  LOG_TO_STDERR_ENV, OWN_HTTP_ENV, THROUGHPUT_ENV, LocalRequestPath, on_kubernetes,
+                                  serve_environment)
 
 
 def test_two_local_clusters_share_no_port():
@@ -22,6 +25,12 @@ def test_two_local_clusters_share_no_port():
         for run in (first, second):
             run.stop()
     assert not os.path.exists(first.run_dir or "/nonexistent")
+
+
+@pytest.mark.parametrize("path", ["ingress", "haproxy", "throughput", "proxy"])
+def test_every_path_keeps_the_replicas_stderr(path):
+    """The throughput bundle would send it into a log buffer flushed every 1,000 records."""
+    assert serve_environment(path)[LOG_TO_STDERR_ENV] == "1"
 
 
 def test_the_kubernetes_render_keeps_serves_ports():

@@ -137,6 +137,7 @@ def _check_fresh_cluster(cluster, prompts: list[str]) -> None:
     port = int(cluster.base_url.rsplit(":", 1)[1])
     health = httpx.get(cluster.base_url + "/health", timeout=10).json()
     assert health["request_path"] == "ingress"  # the default
+    assert health["replica_stderr_kept"]  # the project's warnings reach the replicas' logs
     assert health["replicas_reporting"] == 1  # `up` said ready once admission had a report
     listener = listening_process(port)
     assert listener is not None and "ServeReplica:dllm:Ingress" in listener[1], listener
