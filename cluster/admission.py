@@ -221,7 +221,7 @@ class AdmissionController:
         source = f"{len(self.view)} replica report(s)" if self.view else "no replica report yet (the prior)"
         return (f"predicted {self.predicted_s(cost):.2f} s, {excess_s:.2f} s over {self.settings.slo_headroom:g} x "
                 f"the SLO {self._slo_s:g} s; work ahead {self.work_ahead():.0f} + this request {cost:.0f} row-steps, "
-                f"drained at {rate:.0f} row-steps/s (batch {batch}; {fits}; from {source}), "
+                f"drained at {rate:.0f} row-steps/s ({batch} rows in flight a replica; {fits}; from {source}), "
                 f"{self.ingress_replicas} ingress replica(s), {self.outstanding:.0f} row-steps outstanding here")
 
     # ---- decisions and charges -------------------------------------------------------------
