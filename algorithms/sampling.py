@@ -18,7 +18,6 @@ depend only on its own request, never on the rest of the batch.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import secrets
 from collections.abc import Sequence
@@ -106,19 +105,12 @@ def token_probability(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
 
 
 def greedy_tokens(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """Argmax per position over every id but the mask id (ties: lowest id). Adding 0 leaves
-    a logit as it is and -inf rules the mask's column out, so the maximum of ``logits`` plus
-    that bias is the argmax over the other ids, in two ops and with no read back to the
-    host. ``max`` gives the same first index as ``argmax`` and is faster on CPU."""
-    return (logits + _mask_bias(logits.shape[-1], mask_id, logits.dtype, logits.device)).max(-1).indices
-
-
-@functools.lru_cache(maxsize=16)
-def _mask_bias(vocab: int, mask_id: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[vocab]`` zeros with -inf at ``mask_id`` (shared: never written)."""
-    bias = torch.zeros(vocab, dtype=dtype, device=device)
-    bias[mask_id] = float("-inf")
-    return bias
+    """Argmax per position over every id but the mask id (ties: lowest id): the maximum of a
+    copy of ``logits`` whose mask column is -inf (a few ops, no read back to the host).
+    ``max`` gives the same first index as ``argmax`` and is faster on CPU."""
+    scores = logits.clone()
+    scores.select(-1, mask_id).fill_(float("-inf"))
+    return scores.max(-1).indices
 
 
 def greedy(logits: torch.Tensor, mask_id: int) -> Proposal:

@@ -29,6 +29,8 @@ def test_greedy_skips_the_mask_id_and_breaks_ties_low():
     logits = torch.tensor([[[0.0, 2.0, 2.0, 1.0, 0.0, 0.0, 0.0, 5.0]]])
     assert greedy_tokens(logits, MASK).tolist() == [[1]]
     assert greedy_tokens(logits, 2).tolist() == [[7]]
+    logits[0, 0, MASK] = float("inf")  # an overflowing mask logit is still never proposed
+    assert greedy_tokens(logits, MASK).tolist() == [[1]]
 
 
 def test_greedy_confidence_is_the_softmax_probability():
