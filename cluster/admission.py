@@ -194,16 +194,19 @@ class AdmissionController:
         if bound is None:
             slo = self._slo_s if slo_s is None else min(slo_s, self._slo_s)
             excess_s = self.predicted_s(cost) - slo * headroom
+            limit = f"{headroom:g} x the SLO {slo:g} s"
         else:  # a fixed bound replaces the SLO, not the request's own deadline
             excess_s = (ahead + cost - bound * (len(self.view) or self.min_replicas)) / self._drain()[0]
+            limit = f"the step-debt bound of {bound:g} row-steps a replica"
             if slo_s is not None:
                 excess_s = max(excess_s, self.predicted_s(cost) - slo_s * headroom)
+                limit += f" or {headroom:g} x the deadline {slo_s:g} s"
         if excess_s <= 0:
             return Decision(True)
-        self._log_refusal(cost, excess_s)
+        self._log_refusal(cost, excess_s, limit)
         return Decision(False, max(1, math.ceil(excess_s)))
 
-    def _log_refusal(self, cost: float, excess_s: float) -> None:
+    def _log_refusal(self, cost: float, excess_s: float, limit: str) -> None:
         """A warning with the prediction's parts at the first refusal, then at most one every
         ``REFUSAL_LOG_EVERY_S`` with the refusals since (overload refuses hundreds a second)."""
         self._refusals_unlogged += 1
@@ -211,16 +214,17 @@ class AdmissionController:
         if last is not None and now - last < REFUSAL_LOG_EVERY_S:
             return
         since = "" if last is None else f" ({self._refusals_unlogged} in the last {now - last:.0f} s)"
-        log.warning("refusing%s: %s", since, self._explain(cost, excess_s))
+        log.warning("refusing%s: %s", since, self._explain(cost, excess_s, limit))
         self._refusal_logged_at, self._refusals_unlogged = now, 0
 
-    def _explain(self, cost: float, excess_s: float) -> str:
+    def _explain(self, cost: float, excess_s: float, limit: str) -> str:
         """The parts of a refusal's prediction, for the log."""
-        (models, batch), (rate, step_s) = self._queue(), self._drain()
+        models, batch = self._queue()
+        rate = sum(m.rate(batch) for m in models)
         fits = ", ".join(f"c0 {m.c0 * 1e3:.2f} ms c1 {m.c1 * 1e3:.3f} ms" for m in models)
         source = f"{len(self.view)} replica report(s)" if self.view else "no replica report yet (the prior)"
-        return (f"predicted {self.predicted_s(cost):.2f} s, {excess_s:.2f} s over {self.settings.slo_headroom:g} x "
-                f"the SLO {self._slo_s:g} s; work ahead {self.work_ahead():.0f} + this request {cost:.0f} row-steps, "
+        return (f"predicted {self.predicted_s(cost):.2f} s, {excess_s:.2f} s over {limit}; "
+                f"work ahead {self.work_ahead():.0f} + this request {cost:.0f} row-steps, "
                 f"drained at {rate:.0f} row-steps/s ({batch} rows in flight a replica; {fits}; from {source}), "
                 f"{self.ingress_replicas} ingress replica(s), {self.outstanding:.0f} row-steps outstanding here")
 

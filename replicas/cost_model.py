@@ -99,8 +99,7 @@ def fit_online_step_cost(step_records: Iterable[tuple[int, int, float]]) -> tupl
     coef = np.linalg.lstsq(terms, data[:, 2], rcond=None)[0]
     if np.all(coef >= 0):  # the usual case, and then the best non-negative fit: no subsets to try
         return float(coef[0]), float(coef[1]), float(coef[2])
-    (c0,), c1, c2 = fit_step_cost_by_load([data])
-    return c0, c1, c2
+    return fit_step_cost_with_prefill(data)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 from replicas.async_engine import AsyncEngine
 from replicas.engine import Engine
 from replicas.limits import aligned_head, request_cost
-from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams, joined
+from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams
 from replicas.monitor import ReplicaMonitor
 from replicas.quality import QualityKnob
 from replicas.reports import ReplicaStats
@@ -143,7 +143,8 @@ class EngineReplica:
         """The whole answer of a tokenized request as one chunk (``messages.joined``), for
         a caller that does not stream: one reply instead of a stream message per block, and
         this replica's event loop woken once for it instead of once a block."""
-        return joined([chunk async for chunk in self._answer(request, whole=True)])
+        [answer] = [chunk async for chunk in self._answer(request, whole=True)]
+        return answer
 
     # ---- Serve hooks -------------------------------------------------------------------
     async def record_routing_stats(self) -> dict:

@@ -260,22 +260,21 @@ class Engine:
             return []
         if len(requests) < batch.advances.size:  # idle rows (sync, static) computed but not advanced
             logits = logits[to_device(torch.from_numpy(batch.advances), logits.device)]
-        advanced = batch.unit_is_block.copy()
-        advanced[advanced] = batch.advances  # the stepped requests' block units, in their order
-        rows, page_indices = batch.unit_row[advanced], batch.unit_page_index[advanced]
+        rows, page_indices = batch.stepped_blocks()
         fed = self.rows.blocks(rows, page_indices)  # the blocks as fed to the forward (host)
         mask_id = self.spec.mask_token_id
         fed_masked = (fed == mask_id).any(-1)
+        fed_unmasked = ~fed_masked
         kv_stale = fed_masked.tolist()  # fed with masks: their final KV is still to write
         blocks = to_device(torch.from_numpy(fed), logits.device)  # may share ``fed``'s memory: read above
         asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         before = blocks[asking] if asking else None  # a copy (indexed by a list)
-        done = self._run_algorithms(requests, logits, blocks, ~fed_masked)
+        done = self._run_algorithms(requests, logits, blocks, fed_unmasked)
         if asking:
             self._record_logprobs([requests[i] for i in asking], logits[asking], before, blocks[asking])
         # one read of the blocks' tokens (and done flags): on a GPU, the step's one wait
         if done is None:
-            block_ids, done = blocks.tolist(), [not stale for stale in kv_stale]
+            block_ids, done = blocks.tolist(), fed_unmasked.tolist()
         else:
             read = torch.cat([blocks, done[:, None]], 1).tolist()
             block_ids, done = [row[:-1] for row in read], [row[-1] for row in read]

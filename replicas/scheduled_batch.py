@@ -35,6 +35,12 @@ class ScheduledBatch:
         """[R] the row of each block unit."""
         return self.unit_row[self.unit_is_block]
 
+    def stepped_blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, page indices) of the blocks the algorithms advance (``Scheduler.stepped``'s, in order)."""
+        stepped = self.unit_is_block.copy()
+        stepped[stepped] = self.advances
+        return self.unit_row[stepped], self.unit_page_index[stepped]
+
     @property
     def num_tokens(self) -> int:
         return int(self.unit_count.sum())

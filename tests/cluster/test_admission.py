@@ -276,5 +276,6 @@ def test_the_log_says_why_it_refuses_once_and_then_every_ten_seconds_at_most(cap
         assert not admit(adm, 20).admitted
     [first, later] = [r.getMessage() for r in caplog.records]
     assert first.startswith("refusing: predicted ") and "work ahead 5000 + this request 20" in first
+    assert "over 0.8 x the SLO 5 s;" in first  # the limit the decision used
     assert "c0 7.00 ms c1 2.000 ms" in first and "from 1 replica report(s)" in first
     assert later.startswith("refusing (4 in the last 10 s): predicted ")
