@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
@@ -260,12 +259,11 @@ class Engine:
             return []
         if len(requests) < batch.advances.size:  # idle rows (sync, static) computed but not advanced
             logits = logits[to_device(torch.from_numpy(batch.advances), logits.device)]
-        rows, page_indices = batch.stepped_blocks()
+        rows, page_indices = batch.stepped_blocks
         fed = self.rows.blocks(rows, page_indices)  # the blocks as fed to the forward (host)
         mask_id = self.spec.mask_token_id
-        fed_masked = (fed == mask_id).any(-1)
-        fed_unmasked = ~fed_masked
-        kv_stale = fed_masked.tolist()  # fed with masks: their final KV is still to write
+        kv_stale = (fed == mask_id).any(-1).tolist()  # fed with masks: their final KV is still to write
+        fed_unmasked = [not stale for stale in kv_stale]
         blocks = to_device(torch.from_numpy(fed), logits.device)  # may share ``fed``'s memory: read above
         asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         before = blocks[asking] if asking else None  # a copy (indexed by a list)
@@ -274,7 +272,7 @@ class Engine:
             self._record_logprobs([requests[i] for i in asking], logits[asking], before, blocks[asking])
         # one read of the blocks' tokens (and done flags): on a GPU, the step's one wait
         if done is None:
-            block_ids, done = blocks.tolist(), fed_unmasked.tolist()
+            block_ids, done = blocks.tolist(), fed_unmasked
         else:
             read = torch.cat([blocks, done[:, None]], 1).tolist()
             block_ids, done = [row[:-1] for row in read], [row[-1] for row in read]
@@ -325,7 +323,7 @@ class Engine:
             logprobs=None if request.params.logprobs is None else list(logprobs or ())))
 
     def _run_algorithms(self, requests: list[Request], logits: torch.Tensor, blocks: torch.Tensor,
-                        fed_unmasked: np.ndarray) -> torch.Tensor | None:
+                        fed_unmasked: list[bool]) -> torch.Tensor | None:
         """One algorithm step per block, in place; [R] bool: the block is done, or None where
         that is ``fed_unmasked`` (see ``DllmAlgorithm.step``). A failing algorithm fails its
         requests (their blocks stay not done)."""
@@ -333,7 +331,7 @@ class Engine:
         if len(groups) == 1:  # the common case: the whole batch, no gather or scatter
             [algorithm] = groups
             return self._step_algorithm(algorithm, requests, logits, blocks)
-        done = to_device(torch.from_numpy(fed_unmasked), logits.device)
+        done = torch.tensor(fed_unmasked, device=logits.device)
         for algorithm, members in groups.items():
             index = to_device(torch.tensor(members), logits.device)
             sub_blocks = blocks[index]

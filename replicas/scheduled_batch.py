@@ -28,6 +28,10 @@ class ScheduledBatch:
     unit_scratch: np.ndarray  # [U] bool: write K/V to the scratch page
     advances: np.ndarray  # [R] bool over the block units (their requests: ``Scheduler.stepped``)
     steps_in_block: np.ndarray  # [R] steps each block unit's block took before this one
+    # (rows, page indices) [2, S] of the blocks the algorithms advance (``Scheduler.stepped``'s, in order)
+    stepped_blocks: np.ndarray
+    num_tokens: int  # new tokens: the units' counts summed
+    prefix_units: int  # units that are not block units: prompt chunks and commit writes
     prompt_pages: int = 0  # of the units, the prompt pages computed (prefill; commit writes are not)
 
     @property
@@ -35,16 +39,3 @@ class ScheduledBatch:
         """[R] the row of each block unit."""
         return self.unit_row[self.unit_is_block]
 
-    def stepped_blocks(self) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, page indices) of the blocks the algorithms advance (``Scheduler.stepped``'s, in order)."""
-        stepped = self.unit_is_block.copy()
-        stepped[stepped] = self.advances
-        return self.unit_row[stepped], self.unit_page_index[stepped]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.unit_count.sum())
-
-    @property
-    def prefix_units(self) -> int:
-        return int((~self.unit_is_block).sum())

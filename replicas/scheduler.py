@@ -294,6 +294,7 @@ class Scheduler:
             for r in self.running)
         unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch = [], [], [], [], []
         advances, steps_in_block = [], []
+        stepped_rows, stepped_pages = [], []
         prompt_pages = 0
 
         def add_unit(request: Request, page_index: int, count: int, is_block: bool, scratch: bool = False) -> None:
@@ -335,8 +336,10 @@ class Scheduler:
             self.scheduled.append(request)
             if not idle:
                 self.stepped.append(request)
+                stepped_rows.append(request.row)
+                stepped_pages.append(request.active_page_index)
 
-        # two arrays made, their rows viewed (each array made costs more than its values)
+        # three arrays made, their rows viewed (each array made costs more than its values)
         units = np.array([unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch], dtype=np.int64)
         blocks = np.array([advances, steps_in_block], dtype=np.int64)
         return ScheduledBatch(
@@ -348,6 +351,9 @@ class Scheduler:
             unit_scratch=units[4].astype(bool),
             advances=blocks[0].astype(bool),
             steps_in_block=blocks[1],
+            stepped_blocks=np.array([stepped_rows, stepped_pages], dtype=np.int64),
+            num_tokens=sum(unit_count),
+            prefix_units=len(unit_is_block) - sum(unit_is_block),
             prompt_pages=prompt_pages,
         )
 

@@ -113,7 +113,8 @@ def test_runner_works_from_the_plain_batch_alone(random_model):
     batch = ScheduledBatch(
         num_rows=1, unit_row=np.array([row] * 3), unit_page_index=np.array([0, 1, 2]),
         unit_count=np.array([size, 4, size]), unit_is_block=np.array([False, False, True]),
-        unit_scratch=np.array([False] * 3), advances=np.array([True]), steps_in_block=np.array([0]))
+        unit_scratch=np.array([False] * 3), advances=np.array([True]), steps_in_block=np.array([0]),
+        stepped_blocks=np.array([[row], [2]]), num_tokens=2 * size + 4, prefix_units=2)
     with torch.inference_mode():
         logits, _ = runner.forward(batch)
     torch.testing.assert_close(logits[0], dense_block_logits(random_model, prompt, [], block), rtol=1e-4, atol=1e-4)
