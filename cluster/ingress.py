@@ -410,10 +410,17 @@ class Ingress:
         self.sent_prefixes.record(job.prefix_hashes, self.ingress_id)
         failover = self.failover if body.stream else self.failover_unary
         stream = self._charged_stream(rows(job, body.n), failover, decision.charge, slot)
+        echo = self._echo(body)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(stream, job, chat, include_usage), media_type="text/event-stream")
-        return await self._collect(stream, job, chat, body.n)
+            return StreamingResponse(self._sse(stream, job, chat, include_usage, echo), media_type="text/event-stream")
+        return await self._collect(stream, job, chat, body.n, echo)
+
+    def _echo(self, body: protocol.SamplingFields) -> str:
+        """The text each choice starts with: a completion's prompt where it asks for ``echo``."""
+        if not getattr(body, "echo", False):
+            return ""
+        return body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(body.prompt)
 
     async def _unary(self, job: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The whole answer of ``job`` from one unary replica call, as a one-chunk stream."""
@@ -463,7 +470,7 @@ class Ingress:
         return not views or any(replica not in failed and not view.failing_steps for replica, view in views.items())
 
     async def _collect(self, stream: AsyncIterator[tuple[int, GenerateChunk]], job: GenerateRequest, chat: bool,
-                       n: int) -> JSONResponse:
+                       n: int, echo: str) -> JSONResponse:
         request_id = job.request_id
         chunks: list[list[GenerateChunk]] = [[] for _ in range(n)]
         try:
@@ -483,13 +490,14 @@ class Ingress:
             log.error("request %s failed: %s", request_id, failed.error)
             raise internal_error(request_id)
         build = protocol.chat_body if chat else protocol.completion_body
-        choices = [protocol.Choice(i, a.text, a.finish_reason, self._logprobs(a, chat, 0)) for i, a in enumerate(answers)]
+        choices = [protocol.Choice(i, echo + a.text, a.finish_reason, self._logprobs(a, chat, 0))
+                   for i, a in enumerate(answers)]
         return JSONResponse(build(request_id, self.config.model_name, choices, chunk=False,
                                   usage_=_usage(answers), extra={"dllm": self._dllm_info(job, *answers)}))
 
     async def _sse(self, stream: AsyncIterator[tuple[int, GenerateChunk]], job: GenerateRequest, chat: bool,
-                   include_usage: bool) -> AsyncIterator[str]:
-        """One event per committed block of each choice, then ``data: [DONE]``."""
+                   include_usage: bool, echo: str) -> AsyncIterator[str]:
+        """One event per committed block of each choice (the first one after ``echo``), then ``data: [DONE]``."""
         request_id = job.request_id
         model = self.config.model_name
         build = protocol.chat_body if chat else protocol.completion_body
@@ -504,7 +512,9 @@ class Ingress:
                 logprobs = self._logprobs(chunk, chat, text_offsets.get(index, 0))
                 if logprobs is not None and not chat:
                     text_offsets[index] = text_offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
-                choice = protocol.Choice(index, chunk.text, chunk.finish_reason, logprobs, first=index not in last)
+                first = index not in last
+                choice = protocol.Choice(index, echo + chunk.text if first else chunk.text, chunk.finish_reason,
+                                         logprobs, first=first)
                 last[index] = chunk
                 yield protocol.sse_event(build(request_id, model, [choice], chunk=True,
                                                extra={"dllm": self._dllm_info(job, chunk)}))

@@ -181,10 +181,10 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     suffix: str | None = Field(None, description="infilling: text after the answer, which the model fills in "
                                                  "before it (bidirectional models on the full canvas)")
-    echo: StrictBool = False
+    echo: StrictBool = Field(False, description="the prompt's text before each choice's answer")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="each token's log-probability and this many alternatives")
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -214,12 +214,19 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"the suffix has {len(suffix)} characters; this server takes at most {limit}")
         return suffix
 
-    @field_validator("echo", "best_of")
+    @field_validator("logprobs")
     @classmethod
-    def _unsupported(cls, value, info):
-        if value not in (None, False, 1):
-            raise ValueError(f"{info.field_name} is not supported")
-        return value
+    def _no_prompt_logprobs(cls, logprobs, info: ValidationInfo):
+        if logprobs is not None and info.data.get("echo"):
+            raise ValueError("logprobs with echo is not supported: the prompt's log-probabilities are not computed")
+        return logprobs
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_of_one(cls, best_of):
+        if best_of not in (None, 1):
+            raise ValueError("best_of is not supported (1 only); n asks for several answers")
+        return best_of
 
 
 class ChatMessage(BaseModel):

@@ -339,7 +339,7 @@ FIELD_VALUES = {
     "n": (st.integers(1, 2), INTS),
     "user": (TEXT, st.just("u" * 257)),
     "ignore_eos": (st.booleans(), st.just("no")),
-    "echo": (st.just(False), st.just(True)),
+    "echo": (st.booleans(), st.sampled_from(["yes", 1])),
     "logprobs": (st.one_of(st.none(), st.integers(0, 20)), INTS),
     "top_logprobs": (st.integers(0, 20), INTS),  # a chat's; it needs logprobs: true (drawn below)
     "best_of": (st.just(1), INTS),

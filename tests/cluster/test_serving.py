@@ -116,6 +116,25 @@ def test_a_token_id_prompt_answers_as_its_text_does(cluster):
         assert refused.value.body["param"] == "prompt"
 
 
+def test_echo_puts_the_prompt_before_each_answer(cluster):
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    prompt = SIX_PUZZLES.prompt
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=32)
+    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=32, echo=True, n=2)
+    assert [c.text for c in echoed.choices] == [prompt + plain.choices[0].text] * 2  # greedy: both alike
+    assert echoed.usage.completion_tokens == 2 * 32  # the echo is not output
+    tokenizer = load_tokenizer("tiny")
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model="tiny", prompt=ids, max_tokens=32, echo=True, stream=True))
+    assert streamed == tokenizer.decode(ids) + plain.choices[0].text  # token ids are echoed as their text
+    for refused_field, fields in (("logprobs", {"echo": True, "logprobs": 1}), ("best_of", {"best_of": 2}),
+                                  ("best_of", {"extra_body": {"best_of": True}})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=8, **fields)
+        assert refused.value.body["param"] == refused_field
+
+
 def test_logprobs_as_the_openai_client_parses_them(cluster):
     client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=API_KEY, max_retries=0)
     completion = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=32, logprobs=3)
