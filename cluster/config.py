@@ -181,8 +181,9 @@ class IngressSettings(_Section):
     max_messages: int = Field(
         512, ge=1, description="most messages of one chat request (400 beyond, counted before they are parsed)")
     max_n: int = Field(
-        8, ge=1, le=128, description="most choices (n) one request may ask for; each is a row of its own and "
-                                     "admission charges them all")
+        8, ge=1, le=128, description="most choices one request may ask for (n, times its prompts where a "
+                                     "completion sends a list); each is a row of its own and admission charges "
+                                     "them all")
     metrics_timeout_s: float = Field(
         2.0, gt=0, description="how long the ingress waits for the metrics actor before it gives up on a call")
 

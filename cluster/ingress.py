@@ -83,16 +83,23 @@ def _timeout(message: str) -> APIError:
     return APIError(504, message, type_="timeout_error", code="request_timeout")
 
 
-def _usage(answers: list[GenerateChunk]) -> dict:
-    """The usage of a request's choices: the prompt once, every choice's tokens."""
-    return protocol.usage(answers[0].prompt_tokens, sum(a.completion_tokens for a in answers),
-                          min(a.cached_tokens for a in answers))
+def _usage(answers: list[GenerateChunk], n: int) -> dict:
+    """The usage of a request's choices, ``n`` a prompt, prompt by prompt: each prompt once,
+    every choice's tokens."""
+    per_prompt = [answers[i:i + n] for i in range(0, len(answers), n)]
+    return protocol.usage(sum(choices[0].prompt_tokens for choices in per_prompt),
+                          sum(a.completion_tokens for a in answers),
+                          sum(min(a.cached_tokens for a in choices) for choices in per_prompt))
+
+
+def _prompt_count(body: protocol.SamplingFields) -> int:
+    return 1 if isinstance(body, protocol.ChatCompletionRequest) else len(body.prompts)
 
 
 def _prompt_chars(body: protocol.SamplingFields) -> int:
     if isinstance(body, protocol.ChatCompletionRequest):
         return sum(len(str(m.content)) for m in body.messages)
-    return len(body.prompt)
+    return sum(map(len, body.prompts))
 
 
 @serve.ingress(app)
@@ -282,13 +289,13 @@ class Ingress:
                        type_="rate_limit_error", code="step_capacity_exceeded",
                        headers={"Retry-After": str(decision.retry_after_s)})
 
-    def _prompt(self, body: protocol.SamplingFields) -> str | list[int]:
-        """The prompt: a completion's own (text or token ids), or the chat template applied to the messages."""
+    def _prompts(self, body: protocol.SamplingFields) -> list[str | list[int]]:
+        """The prompts: a completion's own (texts or token ids), or the chat template applied to the messages."""
         if not isinstance(body, protocol.ChatCompletionRequest):
-            return body.prompt
+            return body.prompts
         messages = [m.model_dump() for m in body.messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return [self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)]
         except Exception as exc:
             if type(exc).__module__.startswith("jinja2"):  # the template's refusal (raise_exception): about the messages
                 raise bad_request(f"messages cannot be rendered by the chat template: {exc}", param="messages")
@@ -398,29 +405,35 @@ class Ingress:
     async def _serve(self, body: protocol.SamplingFields, chat: bool, slot: KeySlot):
         # the bound for its output blocks, before the prompt is tokenized (checked there)
         blocks = blocks_needed(min(max(self._max_tokens(body), 1), self.shape.max_model_len), self.shape.block_length)
-        self._refuse_if(self.admission.quick_refusal(blocks * body.n, body.deadline_s))
+        self._refuse_if(self.admission.quick_refusal(blocks * body.n * _prompt_count(body), body.deadline_s))
+
+        def prepare() -> list[GenerateRequest]:
+            return [self._prepare(body, prompt) for prompt in self._prompts(body)]
+
         if _prompt_chars(body) <= INLINE_PREPARE_CHARS:
-            job = self._prepare(body, self._prompt(body))
+            jobs = prepare()
         else:
-            job = await asyncio.get_running_loop().run_in_executor(
-                self._tokenizer_thread, lambda: self._prepare(body, self._prompt(body)))
-        decision = self.admission.try_admit(job.cost * body.n, body.deadline_s)
+            jobs = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)
+        decision = self.admission.try_admit(body.n * sum(job.cost for job in jobs), body.deadline_s)
         self._refuse_if(decision)
         self.admitted += 1
-        self.sent_prefixes.record(job.prefix_hashes, self.ingress_id)
+        for job in jobs:
+            self.sent_prefixes.record(job.prefix_hashes, self.ingress_id)
         failover = self.failover if body.stream else self.failover_unary
-        stream = self._charged_stream(rows(job, body.n), failover, decision.charge, slot)
-        echo = self._echo(body)
+        stream = self._charged_stream([row for job in jobs for row in rows(job, body.n)], failover,
+                                      decision.charge, slot)
+        echoes = [text for text in self._echoes(body) for _ in range(body.n)]  # one per choice
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(stream, job, chat, include_usage, echo), media_type="text/event-stream")
-        return await self._collect(stream, job, chat, body.n, echo)
+            return StreamingResponse(self._sse(stream, jobs[0], chat, include_usage, body.n, echoes),
+                                     media_type="text/event-stream")
+        return await self._collect(stream, jobs[0], chat, body.n, echoes)
 
-    def _echo(self, body: protocol.SamplingFields) -> str:
-        """The text each choice starts with: a completion's prompt where it asks for ``echo``."""
+    def _echoes(self, body: protocol.SamplingFields) -> list[str]:
+        """The text each prompt's choices start with: the prompt, where a completion asks for ``echo``."""
         if not getattr(body, "echo", False):
-            return ""
-        return body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(body.prompt)
+            return [""] * _prompt_count(body)
+        return [prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt) for prompt in body.prompts]
 
     async def _unary(self, job: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The whole answer of ``job`` from one unary replica call, as a one-chunk stream."""
@@ -470,9 +483,10 @@ class Ingress:
         return not views or any(replica not in failed and not view.failing_steps for replica, view in views.items())
 
     async def _collect(self, stream: AsyncIterator[tuple[int, GenerateChunk]], job: GenerateRequest, chat: bool,
-                       n: int, echo: str) -> JSONResponse:
+                       n: int, echoes: list[str]) -> JSONResponse:
+        """The whole answer: every choice (``n`` a prompt, each starting with its echo)."""
         request_id = job.request_id
-        chunks: list[list[GenerateChunk]] = [[] for _ in range(n)]
+        chunks: list[list[GenerateChunk]] = [[] for _ in echoes]
         try:
             async for index, chunk in stream:
                 chunks[index].append(chunk)
@@ -491,13 +505,14 @@ class Ingress:
             raise internal_error(request_id)
         build = protocol.chat_body if chat else protocol.completion_body
         choices = [protocol.Choice(i, echo + a.text, a.finish_reason, self._logprobs(a, chat, 0))
-                   for i, a in enumerate(answers)]
+                   for i, (echo, a) in enumerate(zip(echoes, answers))]
         return JSONResponse(build(request_id, self.config.model_name, choices, chunk=False,
-                                  usage_=_usage(answers), extra={"dllm": self._dllm_info(job, *answers)}))
+                                  usage_=_usage(answers, n), extra={"dllm": self._dllm_info(job, *answers)}))
 
     async def _sse(self, stream: AsyncIterator[tuple[int, GenerateChunk]], job: GenerateRequest, chat: bool,
-                   include_usage: bool, echo: str) -> AsyncIterator[str]:
-        """One event per committed block of each choice (the first one after ``echo``), then ``data: [DONE]``."""
+                   include_usage: bool, n: int, echoes: list[str]) -> AsyncIterator[str]:
+        """One event per committed block of each choice (``n`` a prompt; the first one after
+        its echo), then ``data: [DONE]``."""
         request_id = job.request_id
         model = self.config.model_name
         build = protocol.chat_body if chat else protocol.completion_body
@@ -513,8 +528,8 @@ class Ingress:
                 if logprobs is not None and not chat:
                     text_offsets[index] = text_offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
                 first = index not in last
-                choice = protocol.Choice(index, echo + chunk.text if first else chunk.text, chunk.finish_reason,
-                                         logprobs, first=first)
+                text = echoes[index] + chunk.text if first else chunk.text
+                choice = protocol.Choice(index, text, chunk.finish_reason, logprobs, first=first)
                 last[index] = chunk
                 yield protocol.sse_event(build(request_id, model, [choice], chunk=True,
                                                extra={"dllm": self._dllm_info(job, chunk)}))
@@ -523,8 +538,8 @@ class Ingress:
         except Exception:
             log.exception("request %s failed", request_id)
             yield protocol.sse_event(internal_error(request_id).body())
-        if include_usage and last and not any(c.error for c in last.values()):
-            body = build(request_id, model, [], chunk=True, usage_=_usage(list(last.values())))
+        if include_usage and len(last) == len(echoes) and not any(c.error for c in last.values()):
+            body = build(request_id, model, [], chunk=True, usage_=_usage([last[i] for i in range(len(echoes))], n))
             yield protocol.sse_event(body)
         yield "data: [DONE]\n\n"
 

@@ -44,7 +44,7 @@ class RequestLimits:
 
     max_prompt_chars: int = 1 << 18  # a completion's prompt, and all the messages of a chat together
     max_messages: int = 512
-    max_n: int = 8  # choices of one request
+    max_n: int = 8  # choices of one request (n x its prompts)
 
     @classmethod
     def of(cls, settings: Any) -> RequestLimits:
@@ -175,8 +175,16 @@ class SamplingFields(_UnhonouredFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+def prompt_list(prompt: str | list) -> list[str | list[int]]:
+    """A completion's ``prompt`` as its prompts: text, token ids (``[int, ...]``), or a list of either."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
 class CompletionRequest(SamplingFields):
-    """``prompt``: text, or token ids (``[int, ...]``); a list of one of either is that one."""
+    """``prompt``: text, token ids (``[int, ...]``), or a list of either (each prompt gets
+    ``n`` choices of its own, indexed prompt by prompt as OpenAI's API does)."""
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     suffix: str | None = Field(None, description="infilling: text after the answer, which the model fills in "
@@ -188,19 +196,26 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt, info: ValidationInfo):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            what = "token ids"  # one prompt of ids (the model checks them: vocabulary, length)
-        else:
-            if isinstance(prompt, list):
-                if len(prompt) != 1:
-                    raise ValueError("exactly one prompt per request is supported")
-                prompt = prompt[0]
-            what = "characters" if isinstance(prompt, str) else "token ids"
-        limit = _limits(info).max_prompt_chars
-        if len(prompt) > limit:
-            raise ValueError(f"the prompt has {len(prompt)} {what}; this server takes at most {limit}")
+    def _prompts_within_bounds(cls, prompt, info: ValidationInfo):
+        """At least one prompt; prompts x n choices within ``max_n``; each prompt within
+        ``max_prompt_chars`` (token ids: the model checks them, vocabulary and length)."""
+        prompts = prompt_list(prompt)
+        limits = _limits(info)
+        choices = len(prompts) * info.data.get("n", 1)
+        if not prompts:
+            raise ValueError("the prompt list is empty")
+        if choices > limits.max_n:
+            raise ValueError(f"{len(prompts)} prompts x n {info.data.get('n', 1)} make {choices} choices; "
+                             f"this server answers at most {limits.max_n} a request")
+        for one in prompts:
+            if len(one) > limits.max_prompt_chars:
+                what = "characters" if isinstance(one, str) else "token ids"
+                raise ValueError(f"a prompt has {len(one)} {what}; this server takes at most {limits.max_prompt_chars}")
         return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return prompt_list(self.prompt)
 
     @property
     def logprobs_asked(self) -> int | None:

@@ -56,7 +56,9 @@ def chat(messages, **fields) -> dict:
 OUT_OF_BOUNDS = [
     ("model too long", completion(model="m" * 257), "model"),
     ("prompt over max_prompt_chars", completion(prompt="1" * (MAX_PROMPT_CHARS + 1)), "prompt"),
-    ("two prompts", completion(prompt=["1.", "2."]), "prompt"),
+    ("more prompts than choices", completion(prompt=["1."] * 9), "prompt"),
+    ("a prompt of a list over max_prompt_chars", completion(prompt=["1.", "1" * (MAX_PROMPT_CHARS + 1)]), "prompt"),
+    ("echo with logprobs", completion(echo=True, logprobs=1), "logprobs"),
     ("max_tokens 0", completion(max_tokens=0), "max_tokens"),
     ("max_tokens past int64", completion(max_tokens=2 ** 63), "max_tokens"),
     ("max_tokens past the model", completion(max_tokens=513), "max_tokens"),

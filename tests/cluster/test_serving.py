@@ -109,11 +109,34 @@ def test_a_token_id_prompt_answers_as_its_text_does(cluster):
     by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=32, extra_body=seeded)
     assert by_ids.choices[0].text == by_text.choices[0].text
     assert by_ids.usage.prompt_tokens == len(ids) == by_text.usage.prompt_tokens
-    for bad, words in (([10**6], "outside the vocabulary"), ([[1, 2], [3]], "exactly one prompt"),
+    for bad, words in (([10**6], "outside the vocabulary"), ([], "the prompt list is empty"),
                        ([tokenizer.mask_token_id], "mask token")):
         with pytest.raises(openai.BadRequestError, match=words) as refused:
             client.completions.create(model="tiny", prompt=bad, max_tokens=8)
         assert refused.value.body["param"] == "prompt"
+
+
+def test_a_list_of_prompts_gets_each_prompts_choices_in_order(cluster):
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    tokenizer = load_tokenizer("tiny")
+    prompts = [SIX_PUZZLES.prompt, "1.3. ..2. 4... .1.4 ----"]
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=16).choices[0].text for p in prompts]
+    batch = client.completions.create(model="tiny", prompt=prompts, max_tokens=16, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [alone[0], alone[0], alone[1], alone[1]]  # greedy: a prompt's alike
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    assert batch.usage.prompt_tokens == sum(map(len, ids)) and batch.usage.completion_tokens == 4 * 16
+    texts, usage = {}, None
+    for chunk in client.completions.create(model="tiny", prompt=ids, max_tokens=16, echo=True, stream=True,
+                                           stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {i: tokenizer.decode(ids[i]) + alone[i] for i in (0, 1)}
+    assert usage.prompt_tokens == sum(map(len, ids)) and usage.completion_tokens == 2 * 16
+    with pytest.raises(openai.BadRequestError, match="5 prompts x n 2 make 10 choices") as refused:
+        client.completions.create(model="tiny", prompt=["1.3."] * 5, max_tokens=8, n=2)
+    assert refused.value.body["param"] == "prompt"
 
 
 def test_echo_puts_the_prompt_before_each_answer(cluster):
