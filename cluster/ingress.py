@@ -408,7 +408,16 @@ class Ingress:
         self._refuse_if(self.admission.quick_refusal(blocks * body.n * _prompt_count(body), body.deadline_s))
 
         def prepare() -> list[GenerateRequest]:
-            return [self._prepare(body, prompt) for prompt in self._prompts(body)]
+            prompts = self._prompts(body)
+            jobs = []
+            for index, prompt in enumerate(prompts):
+                try:
+                    jobs.append(self._prepare(body, prompt))
+                except APIError as exc:  # name the prompt of a list that is refused
+                    if len(prompts) > 1 and exc.param == "prompt":
+                        exc.message = f"prompt {index}: {exc.message}"
+                    raise
+            return jobs
 
         if _prompt_chars(body) <= INLINE_PREPARE_CHARS:
             jobs = prepare()

@@ -137,6 +137,9 @@ def test_a_list_of_prompts_gets_each_prompts_choices_in_order(cluster):
     with pytest.raises(openai.BadRequestError, match="5 prompts x n 2 make 10 choices") as refused:
         client.completions.create(model="tiny", prompt=["1.3."] * 5, max_tokens=8, n=2)
     assert refused.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="prompt 1: the prompt has token ids outside") as refused:
+        client.completions.create(model="tiny", prompt=[ids[0], [10**6]], max_tokens=8)
+    assert refused.value.body["param"] == "prompt"
 
 
 def test_echo_puts_the_prompt_before_each_answer(cluster):
