@@ -41,6 +41,13 @@ How a request is decided:
   ``Retry-After`` is the excess, prediction - headroom x SLO, rounded up, at least 1 s:
   the time the work ahead needs to drain that much.
 
+The prediction is corrected by what admitted requests took (``prediction_bias``): each
+request that ends with its answer, and that was predicted to wait behind a queue (at least
+a quarter of the target), moves a running mean of log(took / predicted) a little; the
+predictions are multiplied by its exponent (within 0.5 to 2). A fit that runs fast or slow
+(a machine that slows down, costs the step-cost model does not see) so comes back to the
+target within a few seconds of answers.
+
 ``admission.max_step_debt_per_replica`` replaces the prediction with a fixed bound: admit
 while D + cost <= bound x replicas; ``Retry-After`` = excess / R.
 
@@ -70,6 +77,10 @@ from replicas.reports import MIN_STALE_S, ReplicaView
 log = logging.getLogger(__name__)
 
 REFUSAL_LOG_EVERY_S = 10.0  # the refusal warning's least interval
+BIAS_WEIGHT = 0.02  # how far one answer moves the prediction bias's running mean (of log took / predicted)
+BIAS_SAMPLE_LIMIT = math.log(2.0)  # one answer counts as at most 2x slower or faster than predicted
+BIAS_LIMIT = math.log(2.0)  # the correction stays within 0.5x to 2x
+BIAS_MIN_SHARE = 0.25  # learn from answers predicted to take at least this share of the target (a queue)
 
 
 
@@ -78,6 +89,7 @@ class Decision:
     admitted: bool
     retry_after_s: int = 0
     charge: "Charge | None" = None  # an admission's charge, to release as the request progresses
+    predicted_s: float | None = None  # the prediction before ``prediction_bias``, where one was made
 
 
 class AdmissionController:
@@ -105,6 +117,7 @@ class AdmissionController:
         self._slo_s = self.slo.latency_for(())
         self._refusals_unlogged = 0  # refusals since the last refusal warning
         self._refusal_logged_at: float | None = None
+        self._log_bias = 0.0  # running mean of log(took / predicted), see ``observe_answer``
 
     # ---- the replicas' reports -----------------------------------------------------------
     def update_view(self, view: Mapping[str, Mapping]) -> None:
@@ -181,9 +194,23 @@ class AdmissionController:
         return pages * sum(m.page_row_steps(batch) for m in models) / len(models)
 
     def predicted_s(self, cost: float) -> float:
-        """Seconds until a request of ``cost`` row-steps admitted now completes."""
+        """Seconds until a request of ``cost`` row-steps admitted now completes, before the
+        correction by ``prediction_bias``."""
         rate, step_s = self._drain()
         return (self.work_ahead() + cost) / rate + cost * step_s
+
+    @property
+    def prediction_bias(self) -> float:
+        """How much longer than predicted admitted requests have taken lately (1: as predicted)."""
+        return math.exp(self._log_bias)
+
+    def observe_answer(self, predicted_s: float, took_s: float) -> None:
+        """An admitted request ended with its answer ``took_s`` after admission, predicted at
+        ``predicted_s`` (uncorrected): learn from it where a queue was predicted."""
+        if took_s <= 0 or predicted_s < BIAS_MIN_SHARE * self._slo_s * self.settings.slo_headroom:
+            return
+        sample = min(max(math.log(took_s / predicted_s), -BIAS_SAMPLE_LIMIT), BIAS_SAMPLE_LIMIT)
+        self._log_bias = min(max(self._log_bias + BIAS_WEIGHT * (sample - self._log_bias), -BIAS_LIMIT), BIAS_LIMIT)
 
     def _decide(self, cost: float, slo_s: float | None = None) -> Decision:
         ahead = self.work_ahead()
@@ -191,18 +218,21 @@ class AdmissionController:
             return Decision(True)
         bound = self.settings.max_step_debt_per_replica
         headroom = self.settings.slo_headroom
+        predicted = None
         if bound is None:
             slo = self._slo_s if slo_s is None else min(slo_s, self._slo_s)
-            excess_s = self.predicted_s(cost) - slo * headroom
+            predicted = self.predicted_s(cost)
+            excess_s = predicted * self.prediction_bias - slo * headroom
             limit = f"{headroom:g} x the SLO {slo:g} s"
         else:  # a fixed bound replaces the SLO, not the request's own deadline
             excess_s = (ahead + cost - bound * (len(self.view) or self.min_replicas)) / self._drain()[0]
             limit = f"the step-debt bound of {bound:g} row-steps a replica"
             if slo_s is not None:
-                excess_s = max(excess_s, self.predicted_s(cost) - slo_s * headroom)
+                predicted = self.predicted_s(cost)
+                excess_s = max(excess_s, predicted * self.prediction_bias - slo_s * headroom)
                 limit += f" or {headroom:g} x the deadline {slo_s:g} s"
         if excess_s <= 0:
-            return Decision(True)
+            return Decision(True, predicted_s=predicted)
         self._log_refusal(cost, excess_s, limit)
         return Decision(False, max(1, math.ceil(excess_s)))
 
@@ -223,7 +253,9 @@ class AdmissionController:
         rate = sum(m.rate(batch) for m in models)
         fits = ", ".join(f"c0 {m.c0 * 1e3:.2f} ms c1 {m.c1 * 1e3:.3f} ms" for m in models)
         source = f"{len(self.view)} replica report(s)" if self.view else "no replica report yet (the prior)"
-        return (f"predicted {self.predicted_s(cost):.2f} s, {excess_s:.2f} s over {limit}; "
+        bias = self.prediction_bias
+        return (f"predicted {self.predicted_s(cost) * bias:.2f} s (x {bias:.2f}: what answers took against "
+                f"their predictions), {excess_s:.2f} s over {limit}; "
                 f"work ahead {self.work_ahead():.0f} + this request {cost:.0f} row-steps, "
                 f"drained at {rate:.0f} row-steps/s ({batch} rows in flight a replica; {fits}; from {source}), "
                 f"{self.ingress_replicas} ingress replica(s), {self.outstanding:.0f} row-steps outstanding here")
@@ -241,7 +273,7 @@ class AdmissionController:
         if not decision.admitted:
             return decision
         self.outstanding += cost
-        charge = Charge(self, cost)
+        charge = Charge(self, cost, decision.predicted_s)
         if self.view:  # without reports, ``outstanding`` is the work ahead
             self._since_report.add(charge)
         return replace(decision, charge=charge)
@@ -263,9 +295,10 @@ class Charge:
     ends. ``close`` is idempotent and also runs when the charge is garbage collected, so
     a response that is never streamed (client gone before the first byte) cannot leak it."""
 
-    def __init__(self, controller: AdmissionController, cost: float):
+    def __init__(self, controller: AdmissionController, cost: float, predicted_s: float | None = None):
         self.controller = controller
         self.cost = cost
+        self.predicted_s = predicted_s  # uncorrected, where admission predicted
         self.released = 0.0
         self.admitted_at = controller.clock()
 
@@ -281,5 +314,12 @@ class Charge:
 
     def close(self) -> None:
         self.progress(math.inf)
+
+    def answered(self) -> None:
+        """The request ended with its answer: its time against its prediction goes to the
+        controller (``observe_answer``), and the charge closes."""
+        if self.predicted_s is not None:
+            self.controller.observe_answer(self.predicted_s, self.controller.clock() - self.admitted_at)
+        self.close()
 
     __del__ = close

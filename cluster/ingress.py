@@ -455,11 +455,15 @@ class Ingress:
         steps are taken and the key's place at the end; raises APIError."""
         self.in_flight += 1
         steps = [0] * len(jobs)
+        failed = False
         try:
             async for index, chunk in merged([self._replica_stream(job, failover) for job in jobs]):
                 steps[index] = jobs[index].prompt_cost + chunk.steps
                 charge.progress(sum(steps))
+                failed = failed or bool(chunk.error)
                 yield index, chunk
+            if not failed:  # its time against its prediction teaches admission (``prediction_bias``)
+                charge.answered()
         finally:
             self.in_flight -= 1
             charge.close()
@@ -600,6 +604,7 @@ class Ingress:
         report that is lost or sent twice changes nothing)."""
         return IngressReport(admitted=self.admitted, rejected=dict(self.rejected), failovers=self.failovers,
                              outstanding=self.admission.outstanding, cpu_s=time.process_time(),
+                             prediction_bias=self.admission.prediction_bias,
                              in_flight=self.in_flight, draining=self.draining, **http_tally.TALLY.report()).model_dump()
 
     @contextmanager

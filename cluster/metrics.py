@@ -115,6 +115,7 @@ METRICS = (
     MetricSpec("dllm_rejected_total", Counter, "Requests refused by the ingress, by reason", ("reason",)),
     MetricSpec("dllm_failovers_total", Counter, "Requests resumed on another replica after theirs failed", ()),
     MetricSpec("dllm_admission_outstanding", Gauge, "Row-steps admitted by the ingress replicas and not yet released", ()),
+    MetricSpec("dllm_admission_prediction_bias", Gauge, "How much longer than admission predicted its answers took lately, the mean over the ingress replicas (1: as predicted; the predictions are corrected by it)", ()),
     MetricSpec("dllm_ingress_cpu_seconds_total", Counter, "CPU seconds used by the ingress replicas' processes", ()),
     MetricSpec("dllm_http_responses_total", Counter, "HTTP responses sent by the ingress replicas, by status code", ("code",)),
     MetricSpec("dllm_http_response_seconds", SummedHistogram, "Time from a request's arrival at an ingress replica's app to its response's last byte", (), buckets=HTTP_SECONDS_BOUNDS),
@@ -261,7 +262,10 @@ class MetricsExporter:
                 self.metrics[name].remove(replica)
         self.metrics["dllm_replicas"].set(len(self._last_seen))
         # an ingress silent for stale_after_s is gone; its last totals stay, so a late report adds nothing twice
-        self.metrics["dllm_admission_outstanding"].set(sum(r.outstanding for r in self._live_ingresses()))
+        live = self._live_ingresses()
+        self.metrics["dllm_admission_outstanding"].set(sum(r.outstanding for r in live))
+        if live:
+            self.metrics["dllm_admission_prediction_bias"].set(sum(r.prediction_bias for r in live) / len(live))
 
 
 class _QuietHandler(WSGIRequestHandler):

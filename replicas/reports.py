@@ -91,6 +91,7 @@ class IngressReport(BaseModel):
     rejected: dict[str, int] = {}  # by reason
     failovers: int = 0
     outstanding: float = 0.0  # row-steps admitted and not yet released
+    prediction_bias: float = 1.0  # what admitted answers took against their predictions (``AdmissionController``)
     cpu_s: float = 0.0  # the process's CPU time since it started
     in_flight: int = 0
     draining: bool = False  # it has stopped admitting

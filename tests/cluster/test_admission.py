@@ -102,6 +102,42 @@ def test_refusal_when_the_queue_ahead_exceeds_the_slo_and_retry_after_is_the_exc
     assert adm.quick_refusal() is None and admit(adm, 20).admitted
 
 
+def test_predictions_learn_from_what_answers_took():
+    """Answers that take 1.5x their prediction make the prediction 1.5x (within the limits),
+    so a request at 80% of the target is refused; answers predicted without a queue teach
+    nothing; faster answers bring it back."""
+    now = [1000.0]
+    adm = controller(slo_latency_s=5.0, min_replicas=1, clock=lambda: now[0])
+    adm.update_view({"a": replica(debt=1000, live=60, stats_time=now[0])})
+    predicted = adm.predicted_s(20)
+    assert 2.0 < predicted < 4.0 and admit(adm, 20).admitted and adm.prediction_bias == 1.0
+
+    def answers(count, took_ratio, cost=20):
+        for _ in range(count):
+            decision = adm.try_admit(cost)
+            assert decision.admitted and decision.predicted_s == pytest.approx(adm.predicted_s(cost), rel=0.05)
+            now[0] += decision.predicted_s * took_ratio
+            decision.charge.answered()
+
+    quick = controller(slo_latency_s=5.0, min_replicas=1, clock=lambda: now[0])
+    quick.update_view({"a": replica(debt=5, live=1, stats_time=now[0])})
+    decision = quick.try_admit(20)
+    now[0] += decision.predicted_s * 3  # no queue: the path and the batch's hold dominate
+    decision.charge.answered()
+    assert quick.prediction_bias == 1.0
+
+    adm.update_view({"a": replica(debt=200, live=60, stats_time=now[0])})
+    answers(300, 1.5)
+    assert adm.prediction_bias == pytest.approx(1.5, rel=0.02)
+    adm.update_view({"a": replica(debt=1000, live=60, stats_time=now[0])})
+    assert adm.predicted_s(20) * 1.5 > 5.0 * SLO_HEADROOM and not admit(adm, 20).admitted
+    adm.update_view({"a": replica(debt=200, live=60, stats_time=now[0])})
+    answers(300, 10.0)  # one answer counts as at most 2x slower, and the correction stays within 2x
+    assert adm.prediction_bias == pytest.approx(2.0, rel=0.01)
+    answers(600, 1.0)
+    assert adm.prediction_bias == pytest.approx(1.0, abs=0.01)
+
+
 def test_rate_is_never_extrapolated_past_the_largest_measured_batch():
     """A light-load fit (one row per step) cannot see c1: 16 rows would look 16x faster."""
     adm = controller(slo_latency_s=5.0, min_replicas=1)

@@ -69,6 +69,7 @@ def scrape(metrics_url: str) -> dict[str, float]:
         "total_pages": total(text, "dllm_total_pages"),
         "reporting": len(series(text, "dllm_total_pages")),
         "outstanding": sum(outstanding.values()) if outstanding else None,  # None: not exported
+        "prediction_bias": max(series(text, "dllm_admission_prediction_bias").values(), default=None),
     }
 
 
@@ -178,6 +179,7 @@ def test_pages_and_admission_are_released_afterwards(run):
     dllm_admission_outstanding (summed over ingress replicas) 0."""
     assert run.idle is not None and run.idle["outstanding"] is not None, \
         "dllm_admission_outstanding is not exported on the metrics port"
+    assert run.idle["prediction_bias"] is not None and 0.5 <= run.idle["prediction_bias"] <= 2.0, run.idle
     assert run.drained, f"not idle {IDLE_TIMEOUT_S:g} s after the load: {run.idle}"
 
 
@@ -195,6 +197,7 @@ def test_two_ingress_replicas_admit_no_more_than_one_stats_period_beyond_capacit
     68 s: see ``Run.peak_drain_s``.)"""
     assert run.samples
     bound = 1.25 * SLO_S + 2 * STATS_PERIOD_S
+    print(f"prediction bias {[s['prediction_bias'] for s in run.samples][::10]}")
     print(f"peak admitted work (s of drain): {run.peak_drain_s:.2f}; bound {bound:.2f}; "
           f"capacity {run.capacity_rps:.2f} req/s")
     assert run.peak_drain_s <= bound, (
