@@ -72,7 +72,8 @@ def wait_for(condition, timeout_s: float, what: str, period_s: float = 0.2):
 
 async def stream_completion(client: httpx.AsyncClient, body: dict, on_chunk=None) -> dict:
     """One streamed completion: its text, finish reason, the replicas that served it, or
-    the error event / HTTP status that ended it."""
+    the error event / HTTP status that ended it. ``on_chunk(replica, first)`` sees each
+    chunk's replica, and whether it is the stream's first."""
     text, replicas, finish, error = [], [], None, None
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
         if response.status_code != 200:
@@ -91,7 +92,7 @@ async def stream_completion(client: httpx.AsyncClient, body: dict, on_chunk=None
                 replicas.append(replica)
             finish = choice["finish_reason"] or finish
             if on_chunk is not None:
-                on_chunk(replica)
+                on_chunk(replica, len(text) == 1)
     return {"status": 200, "text": "".join(text), "finish_reason": finish, "replicas": replicas, "error": error}
 
 

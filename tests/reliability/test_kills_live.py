@@ -106,7 +106,7 @@ def test_a_node_removed_under_load_costs_no_request(ray_nodes, cluster):
     workers_by_node = {w.node_id: w for w in workers}
     removed = {}
 
-    def on_chunk(replica):
+    def on_chunk(replica, first):
         # Serve may place one engine on the head, and the router may send a burst to one
         # replica: the first chunk from a replica on a worker node takes that node away
         node = views[replica]["node"]
@@ -257,12 +257,14 @@ def test_sigkill_of_a_replica_during_16_streams_loses_nothing(cluster, fault_fre
     in_flight: Counter[str] = Counter()
     killed = {}
 
-    def on_chunk(replica):
+    def on_chunk(replica, first):
         in_flight[replica] += 1
-        if not killed and sum(in_flight.values()) >= 8:  # streams under way on both replicas
-            victim = in_flight.most_common(1)[0][0]
-            cluster.kill_replica(victim)
-            killed.update(replica=victim, at=time.monotonic())
+        # once streams are under way, the replica of a stream that has just begun (its other
+        # blocks still to compute: on a busy machine a replica may have finished its first
+        # streams before the others were even sent)
+        if not killed and first and sum(in_flight.values()) >= 8:
+            cluster.kill_replica(replica)
+            killed.update(replica=replica, at=time.monotonic())
 
     results = run(_streams(cluster, on_chunk))
     done = time.monotonic()
@@ -282,15 +284,18 @@ def test_sigkill_of_a_replica_during_16_streams_loses_nothing(cluster, fault_fre
     assert replaced
 
 
-def _inject(steps: int) -> str:
+def _inject(cluster, steps: int) -> str:
+    """Faults into the next ``steps`` steps (-1: every one) of the replica the call reaches,
+    once both replicas report (a test before may have left one being replaced)."""
+    wait_for(lambda: len(cluster.replicas()) == REPLICAS, 120, "both replicas reporting")
     handle = serve.get_deployment_handle("EngineReplica", app_name="dllm")
     return handle.inject_faults.remote(steps).result(timeout_s=30)
 
 
 def test_one_failing_step_fails_only_its_rows_and_they_resume(cluster, fault_free):
-    replicas_before = set(cluster.replicas())
     failovers_before = cluster.metric("dllm_failovers_total")
-    faulty = _inject(1)
+    faulty = _inject(cluster, 1)
+    replicas_before = set(cluster.replicas())
     results = run(_streams(cluster))
     assert all(r["status"] == 200 and r["error"] is None for r in results)
     assert [r["text"] for r in results] == fault_free
@@ -302,7 +307,7 @@ def test_one_failing_step_fails_only_its_rows_and_they_resume(cluster, fault_fre
 
 
 def test_a_replica_whose_steps_always_fail_is_replaced_and_its_requests_complete(cluster, fault_free):
-    faulty = _inject(-1)
+    faulty = _inject(cluster, -1)
     start = time.monotonic()
     rounds = []
 
