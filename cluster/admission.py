@@ -41,12 +41,14 @@ How a request is decided:
   ``Retry-After`` is the excess, prediction - headroom x SLO, rounded up, at least 1 s:
   the time the work ahead needs to drain that much.
 
-The prediction is corrected by what admitted requests took (``prediction_bias``): each
-request that ends with its answer, and that was predicted to wait behind a queue (at least
-a quarter of the target), moves a running mean of log(took / predicted) a little; the
-predictions are multiplied by its exponent (within 0.5 to 2). A fit that runs fast or slow
-(a machine that slows down, costs the step-cost model does not see) so comes back to the
-target within a few seconds of answers.
+Admission learns how far its predictions run from what admitted requests took
+(``prediction_bias``): each request that ends with its answer, and that was predicted to
+wait behind a queue (at least a quarter of the target), moves a running mean of
+log(took / predicted) a little (its exponent stays within 0.5 to 2). Where answers take
+longer than predicted (a fit that runs fast, a machine that slows down, costs the
+step-cost model does not see), the predictions are lengthened by it, so the admitted
+latency comes back under the target within seconds of answers; where they take less, the
+predictions stand: a queue that drains early only ends sooner than the SLO allows.
 
 ``admission.max_step_debt_per_replica`` replaces the prediction with a fixed bound: admit
 while D + cost <= bound x replicas; ``Retry-After`` = excess / R.
@@ -79,7 +81,7 @@ log = logging.getLogger(__name__)
 REFUSAL_LOG_EVERY_S = 10.0  # the refusal warning's least interval
 BIAS_WEIGHT = 0.02  # how far one answer moves the prediction bias's running mean (of log took / predicted)
 BIAS_SAMPLE_LIMIT = math.log(2.0)  # one answer counts as at most 2x slower or faster than predicted
-BIAS_LIMIT = math.log(2.0)  # the correction stays within 0.5x to 2x
+BIAS_LIMIT = math.log(2.0)  # the learned bias stays within 0.5x to 2x
 BIAS_MIN_SHARE = 0.25  # learn from answers predicted to take at least this share of the target (a queue)
 
 
@@ -89,7 +91,7 @@ class Decision:
     admitted: bool
     retry_after_s: int = 0
     charge: "Charge | None" = None  # an admission's charge, to release as the request progresses
-    predicted_s: float | None = None  # the prediction before ``prediction_bias``, where one was made
+    predicted_s: float | None = None  # the prediction before its ``correction``, where one was made
 
 
 class AdmissionController:
@@ -194,8 +196,8 @@ class AdmissionController:
         return pages * sum(m.page_row_steps(batch) for m in models) / len(models)
 
     def predicted_s(self, cost: float) -> float:
-        """Seconds until a request of ``cost`` row-steps admitted now completes, before the
-        correction by ``prediction_bias``."""
+        """Seconds until a request of ``cost`` row-steps admitted now completes, before its
+        ``correction``."""
         rate, step_s = self._drain()
         return (self.work_ahead() + cost) / rate + cost * step_s
 
@@ -203,6 +205,11 @@ class AdmissionController:
     def prediction_bias(self) -> float:
         """How much longer than predicted admitted requests have taken lately (1: as predicted)."""
         return math.exp(self._log_bias)
+
+    @property
+    def correction(self) -> float:
+        """What the predictions are multiplied by: the bias where answers ran late, else 1."""
+        return max(1.0, self.prediction_bias)
 
     def observe_answer(self, predicted_s: float, took_s: float) -> None:
         """An admitted request ended with its answer ``took_s`` after admission, predicted at
@@ -222,14 +229,14 @@ class AdmissionController:
         if bound is None:
             slo = self._slo_s if slo_s is None else min(slo_s, self._slo_s)
             predicted = self.predicted_s(cost)
-            excess_s = predicted * self.prediction_bias - slo * headroom
+            excess_s = predicted * self.correction - slo * headroom
             limit = f"{headroom:g} x the SLO {slo:g} s"
         else:  # a fixed bound replaces the SLO, not the request's own deadline
             excess_s = (ahead + cost - bound * (len(self.view) or self.min_replicas)) / self._drain()[0]
             limit = f"the step-debt bound of {bound:g} row-steps a replica"
             if slo_s is not None:
                 predicted = self.predicted_s(cost)
-                excess_s = max(excess_s, predicted * self.prediction_bias - slo_s * headroom)
+                excess_s = max(excess_s, predicted * self.correction - slo_s * headroom)
                 limit += f" or {headroom:g} x the deadline {slo_s:g} s"
         if excess_s <= 0:
             return Decision(True, predicted_s=predicted)
@@ -253,9 +260,9 @@ class AdmissionController:
         rate = sum(m.rate(batch) for m in models)
         fits = ", ".join(f"c0 {m.c0 * 1e3:.2f} ms c1 {m.c1 * 1e3:.3f} ms" for m in models)
         source = f"{len(self.view)} replica report(s)" if self.view else "no replica report yet (the prior)"
-        bias = self.prediction_bias
-        return (f"predicted {self.predicted_s(cost) * bias:.2f} s (x {bias:.2f}: what answers took against "
-                f"their predictions), {excess_s:.2f} s over {limit}; "
+        correction = self.correction
+        return (f"predicted {self.predicted_s(cost) * correction:.2f} s (x {correction:.2f}; answers took "
+                f"{self.prediction_bias:.2f} x their predictions), {excess_s:.2f} s over {limit}; "
                 f"work ahead {self.work_ahead():.0f} + this request {cost:.0f} row-steps, "
                 f"drained at {rate:.0f} row-steps/s ({batch} rows in flight a replica; {fits}; from {source}), "
                 f"{self.ingress_replicas} ingress replica(s), {self.outstanding:.0f} row-steps outstanding here")

@@ -115,7 +115,7 @@ METRICS = (
     MetricSpec("dllm_rejected_total", Counter, "Requests refused by the ingress, by reason", ("reason",)),
     MetricSpec("dllm_failovers_total", Counter, "Requests resumed on another replica after theirs failed", ()),
     MetricSpec("dllm_admission_outstanding", Gauge, "Row-steps admitted by the ingress replicas and not yet released", ()),
-    MetricSpec("dllm_admission_prediction_bias", Gauge, "How much longer than admission predicted its answers took lately, the mean over the ingress replicas (1: as predicted; the predictions are corrected by it)", ()),
+    MetricSpec("dllm_admission_prediction_bias", Gauge, "How much longer than admission predicted its answers took lately, the mean over the ingress replicas (1: as predicted; above 1, admission lengthens its predictions by it)", ()),
     MetricSpec("dllm_ingress_cpu_seconds_total", Counter, "CPU seconds used by the ingress replicas' processes", ()),
     MetricSpec("dllm_http_responses_total", Counter, "HTTP responses sent by the ingress replicas, by status code", ("code",)),
     MetricSpec("dllm_http_response_seconds", SummedHistogram, "Time from a request's arrival at an ingress replica's app to its response's last byte", (), buckets=HTTP_SECONDS_BOUNDS),

@@ -105,7 +105,7 @@ def test_refusal_when_the_queue_ahead_exceeds_the_slo_and_retry_after_is_the_exc
 def test_predictions_learn_from_what_answers_took():
     """Answers that take 1.5x their prediction make the prediction 1.5x (within the limits),
     so a request at 80% of the target is refused; answers predicted without a queue teach
-    nothing; faster answers bring it back."""
+    nothing; faster answers bring it back, and below 1 the predictions stand."""
     now = [1000.0]
     adm = controller(slo_latency_s=5.0, min_replicas=1, clock=lambda: now[0])
     adm.update_view({"a": replica(debt=1000, live=60, stats_time=now[0])})
@@ -136,6 +136,11 @@ def test_predictions_learn_from_what_answers_took():
     assert adm.prediction_bias == pytest.approx(2.0, rel=0.01)
     answers(600, 1.0)
     assert adm.prediction_bias == pytest.approx(1.0, abs=0.01)
+    answers(600, 0.7)  # answers earlier than predicted: learned, but admission admits no more
+    assert adm.prediction_bias == pytest.approx(0.7, rel=0.02) and adm.correction == 1.0
+    adm.update_view({"a": replica(debt=1600, live=60, stats_time=now[0])})
+    at_target = adm.predicted_s(20)
+    assert (at_target * 0.7 <= 5.0 * SLO_HEADROOM < at_target) and not admit(adm, 20).admitted
 
 
 def test_rate_is_never_extrapolated_past_the_largest_measured_batch():
