@@ -8,7 +8,8 @@ API used by the ingress (cluster/ingress.py):
   (go on). It charges nothing.
 * ``cost(max_tokens, block_length, worst_case_steps_per_block)`` then
   ``try_admit(cost) -> Decision`` (charges on admission), ``Charge(controller, cost)``
-  with ``.progress(steps)`` / ``.close()`` releasing it, ``release(amount)``,
+  with ``.progress(steps)`` / ``.close()`` releasing it (``.answered()``: it ended with
+  its answer, which teaches ``prediction_bias``), ``release(amount)``,
   ``outstanding`` (row-steps admitted here and not yet released), ``update_view(view)``,
   ``slo_latency_s`` (the SLO in force: configured, or derived from the replicas' reports).
 
