@@ -431,7 +431,7 @@ class Ingress:
         failover = self.failover if body.stream else self.failover_unary
         stream = self._charged_stream([row for job in jobs for row in rows(job, body.n)], failover,
                                       decision.charge, slot)
-        echoes = [text for text in self._echoes(body) for _ in range(body.n)]  # one per choice
+        echoes = self._echoes(body)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(self._sse(stream, jobs[0], chat, include_usage, body.n, echoes),
@@ -439,10 +439,12 @@ class Ingress:
         return await self._collect(stream, jobs[0], chat, body.n, echoes)
 
     def _echoes(self, body: protocol.SamplingFields) -> list[str]:
-        """The text each prompt's choices start with: the prompt, where a completion asks for ``echo``."""
+        """The text each choice starts with (``n`` a prompt, prompt by prompt): its prompt,
+        where a completion asks for ``echo``, else nothing."""
         if not getattr(body, "echo", False):
-            return [""] * _prompt_count(body)
-        return [prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt) for prompt in body.prompts]
+            return [""] * (_prompt_count(body) * body.n)
+        return [prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+                for prompt in body.prompts for _ in range(body.n)]
 
     async def _unary(self, job: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The whole answer of ``job`` from one unary replica call, as a one-chunk stream."""

@@ -199,13 +199,11 @@ class CompletionRequest(SamplingFields):
     def _prompts_within_bounds(cls, prompt, info: ValidationInfo):
         """At least one prompt; prompts x n choices within ``max_n``; each prompt within
         ``max_prompt_chars`` (token ids: the model checks them, vocabulary and length)."""
-        prompts = prompt_list(prompt)
-        limits = _limits(info)
-        choices = len(prompts) * info.data.get("n", 1)
+        prompts, limits, n = prompt_list(prompt), _limits(info), info.data.get("n", 1)
         if not prompts:
             raise ValueError("the prompt list is empty")
-        if choices > limits.max_n:
-            raise ValueError(f"{len(prompts)} prompts x n {info.data.get('n', 1)} make {choices} choices; "
+        if len(prompts) * n > limits.max_n:
+            raise ValueError(f"{len(prompts)} prompts x n {n} make {len(prompts) * n} choices; "
                              f"this server answers at most {limits.max_n} a request")
         for one in prompts:
             if len(one) > limits.max_prompt_chars:
