@@ -11,6 +11,7 @@ import numpy as np
 
 from loadgen.bench.closed_batch_model import ClosedRequest, closed_batch_seconds
 from loadgen.bench.evaluation import score, tiny_params
+from loadgen.bench.replayed_forward import RecordedForward, ReplayDiverged
 from replicas.cost_model import fit_step_cost
 from replicas.engine import Engine, EngineConfig
 from replicas.models import load_model, load_tokenizer
@@ -21,6 +22,7 @@ BENCH_MODES = ("fdfo", "sync", "static")
 SEPARATE_KV = "fdfo_separate_kv_write"  # fdfo with one more forward per block to write its KV
 # blank-count weights (0..12 blanks) per workload: "hard" has 8 to 12 blanks a puzzle
 WORKLOADS = {"default": None, "hard": np.array([0] * 8 + [1] * 5, dtype=float)}
+REPLAYS = 3  # replays of the recorded fdfo run (``replayed_host_ms_per_step_p50_at_full_batch``)
 
 
 def run_closed_batch(engine: Engine, prompts: list[str], params) -> tuple[list, list, float]:
@@ -52,6 +54,11 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     and each ratio is the median of its per-round values, reported with their spread
     (max - min): a machine whose speed drifts during the run moves a whole round alike.
     A closed batch has no arrivals to wait for, so fdfo does not hold steps for them.
+
+    ``replayed_host_ms_per_step_p50_at_full_batch``: fdfo's host time per step at full
+    batch when its recorded logits are replayed instead of running the forward
+    (``loadgen.bench.replayed_forward``): the host time with the forward off the host's
+    cores and caches, as on an accelerator (median of ``REPLAYS`` replays).
 
     ``tokens_per_forward``: committed tokens per row-forward (rows in a forward, idle rows
     included). ``ideal_fdfo_over_*``: the ratio with zero host overhead, from each mode's
@@ -96,6 +103,8 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     result["forward_ms_per_step_p50"] = round(statistics.median(s.forward_s for s in steps) * 1e3, 3)
     result["overhead_ms_per_step_p50_at_full_batch"] = round(statistics.median(
         [s.overhead_s for s in steps if s.batch_size == max_batch] or [0.0]) * 1e3, 3)
+    result["replayed_host_ms_per_step_p50_at_full_batch"] = round(
+        _replayed_host_s(net, tokenizer, configs["fdfo"], prompts, params) * 1e3, 3)
     result["fused_commit_speedup"], result["fused_commit_speedup_spread"] = _median_ratio(fdfo, runs[SEPARATE_KV])
 
     c0, c1 = fit_forward_cost([s for label_runs in runs.values() for s in label_runs[0]["steps"]])
@@ -114,6 +123,22 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
         result[f"ideal_fdfo_over_{baseline}"] = round(ideal, 2)
         result["efficiency_vs_ideal"][f"fdfo_over_{baseline}"] = round(ratio / ideal, 3)
     return result
+
+
+def _replayed_host_s(net, tokenizer, config: EngineConfig, prompts: list[str], params) -> float:
+    """Median over ``REPLAYS`` replays of a recorded run of its steps' host time (step less
+    forward) at full batch; raises ``ReplayDiverged`` unless each replay gives the recorded
+    run's tokens."""
+    recorder = RecordedForward(net)
+    recorded, _, _ = run_closed_batch(Engine(recorder, tokenizer, config), prompts, params)
+    host = []
+    for _ in range(REPLAYS):
+        recorder.replay()
+        replayed, steps, _ = run_closed_batch(Engine(recorder, tokenizer, config), prompts, params)
+        if [o.token_ids for o in replayed] != [o.token_ids for o in recorded]:
+            raise ReplayDiverged("a replay committed other tokens than the recorded run")
+        host.append(statistics.median([s.overhead_s for s in steps if s.batch_size == config.max_batch] or [0.0]))
+    return statistics.median(host)
 
 
 def _tokens_per_s(run: dict) -> float:

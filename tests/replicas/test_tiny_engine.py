@@ -92,6 +92,7 @@ def test_bench_engine_report_is_consistent(workload):
     assert result["fused_commit_speedup"] > 0
     assert 0 < result["compute_ratio"] <= 1
     assert result["overhead_ms_per_step_p50"] > 0
+    assert result["replayed_host_ms_per_step_p50_at_full_batch"] > 0  # its replays gave the recorded tokens
 
 
 def test_the_hard_workload_has_8_to_12_blanks_a_puzzle():
