@@ -187,8 +187,23 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self, authorization: str | None = Header(None)):
         self._authorize(authorization)
-        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
-                                            "owned_by": "dllm-serve", "created": 0}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # ``path``: a model name may hold slashes (org/name)
+    async def model(self, model: str, authorization: str | None = Header(None)):
+        self._authorize(authorization)
+        self._check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.config.model_name, "object": "model", "owned_by": "dllm-serve", "created": 0}
+
+    def _check_model(self, model: str) -> None:
+        """Raise the OpenAI 404 for a model this server does not serve."""
+        if model != self.config.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{self.config.model_name}'", type_="not_found_error", param="model",
+                           code="model_not_found")
 
     @app.get("/v1/dllm/calibration")
     async def calibration(self, window_s: float = Query(60.0, gt=0),
@@ -304,10 +319,7 @@ class Ingress:
 
     def _prepare(self, body: protocol.SamplingFields, prompt: str | list[int]) -> GenerateRequest:
         """Validate everything and build the replica's request; raises APIError."""
-        if body.model != self.config.model_name:
-            raise APIError(404, f"the model '{body.model}' does not exist; this server serves "
-                                f"'{self.config.model_name}'", type_="not_found_error", param="model",
-                           code="model_not_found")
+        self._check_model(body.model)
         block = self.spec.block_length
         if body.block_length is not None and body.block_length != block:
             raise bad_request(f"this model decodes in blocks of {block}; block_length {body.block_length} "

@@ -63,6 +63,10 @@ async def post_all(base_url: str, bodies: list[dict], concurrency: int, timeout:
 def test_openai_client_completes_chats_and_streams(cluster):
     client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=API_KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.models.retrieve("org/other-model")
+    assert unknown.value.body["code"] == "model_not_found" and "'org/other-model' does not exist" in unknown.value.body["message"]
 
     completion = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=TINY_MAX_TOKENS)
     assert completion.choices[0].finish_reason == "stop"
@@ -340,7 +344,7 @@ def test_literal_mask_token_is_text_and_replicas_keep_serving(cluster):
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}], ids=["missing", "wrong"])
 def test_api_key_is_required(cluster, headers):
-    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+    for method, path in (("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("POST", "/v1/completions")):
         response = httpx.request(method, cluster.base_url + path, headers=headers, timeout=30,
                                  json={"model": "tiny", "prompt": "1"} if method == "POST" else None)
         assert response.status_code == 401
