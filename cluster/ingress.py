@@ -326,13 +326,16 @@ class Ingress:
                               f"is not available", param="block_length")
         if body.mode is not None and body.mode != self.config.replica.mode:
             raise bad_request(f"the replicas run in mode '{self.config.replica.mode.value}'", param="mode")
+        chat = isinstance(body, protocol.ChatCompletionRequest)
         if isinstance(prompt, str):
             # a rendered chat's markers are the template's special tokens, recognized as the model's own
             # apply_chat_template does; a completion's text stays text, special-token look-alikes included
-            chat = isinstance(body, protocol.ChatCompletionRequest)
             prompt_ids = self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=not chat)["input_ids"]
         else:
             prompt_ids = prompt
+        if chat and not prompt_ids:
+            raise bad_request("the messages render to an empty prompt: this model's chat template keeps none of "
+                              "their text", param="messages")
         max_tokens = self._max_tokens(body)
         if max_tokens <= 0:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
@@ -342,7 +345,6 @@ class Ingress:
         suffix_ids = self._suffix_ids(body)
         problem = request_problem(prompt_ids, max_tokens, self.spec, self.shape.max_model_len, suffix_ids=suffix_ids)
         if problem is not None:
-            chat = isinstance(body, protocol.ChatCompletionRequest)
             raise bad_request(problem.message, param="messages" if chat and problem.too_long else "prompt",
                               code="context_length_exceeded" if problem.too_long else None)
         algorithm_name, algorithm_params = self._algorithm(body)

@@ -248,6 +248,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]]
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _string_or_parts(cls, content):
+        """One clear error for content of another type (null, a number, an object), instead
+        of one per branch of the union, named after the branch."""
+        if not isinstance(content, (str, list)):
+            raise ValueError("content must be a string or a list of text parts")
+        return content
+
     @field_validator("content")
     @classmethod
     def _text_only(cls, content, info: ValidationInfo):

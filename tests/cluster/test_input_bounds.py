@@ -99,6 +99,9 @@ OUT_OF_BOUNDS = [
     ("too many content parts", chat([{"role": "user", "content": [{"type": "text", "text": "1"}] * 257}]),
      "messages.0.content"),
     ("empty messages", chat([]), "messages"),
+    # the tiny model's chat template keeps the last user message: a tool message alone renders to nothing
+    ("null content", chat([{"role": "user", "content": None}]), "messages.0.content"),
+    ("messages that render to nothing", chat([{"role": "tool", "content": "7", "tool_call_id": "1"}]), "messages"),
 ]
 
 
