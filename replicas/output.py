@@ -63,13 +63,13 @@ class OutputProcessor:
         end = None
         if not params.ignore_eos and not self.end_ids.isdisjoint(block_ids):
             end = next(i for i, t in enumerate(block_ids) if t in self.end_ids)
-        if end is not None:
+        room = params.max_tokens - len(request.output_ids)
+        if end is not None and end < room:  # an end id within max_tokens
             block_ids = block_ids[:end]
             finish = FinishReason.STOP
-        room = params.max_tokens - len(request.output_ids)
-        if len(block_ids) >= room:
+        elif len(block_ids) >= room:  # max_tokens reached first (an end id past it was never produced)
             block_ids = block_ids[:room]
-            finish = finish or FinishReason.LENGTH
+            finish = FinishReason.LENGTH
         logprobs = None if logprobs is None else list(logprobs[:len(block_ids)])
         if request.text_at_end and finish is None:
             return BlockCommit(block_ids, "", None, self.clock(), logprobs)

@@ -137,6 +137,13 @@ def test_stop_and_eos_and_max_tokens_in_one_block():
     assert request.finish_reason is FinishReason.LENGTH and len(returned) == 2
     pieces, returned, request = run(tokenizer, ids, 16, stop=["b"], max_tokens=len(ids))
     assert request.finish_reason is FinishReason.STOP and "".join(pieces) == "a"
+    # max_tokens cuts before EOS: length (the EOS past it was never produced), also where EOS
+    # would have been the next token; EOS inside max_tokens: stop
+    for max_tokens in (2, len(ids)):
+        pieces, returned, request = run(tokenizer, ids + [eos], 16, max_tokens=max_tokens)
+        assert request.finish_reason is FinishReason.LENGTH and len(returned) == max_tokens, max_tokens
+    pieces, returned, request = run(tokenizer, ids + [eos], 16, max_tokens=len(ids) + 1)
+    assert request.finish_reason is FinishReason.STOP and returned == ids
 
 
 def test_held_suffix():
