@@ -93,7 +93,7 @@ class Engine:
                                    shape.token_budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,
                                    fdfo_hold=self.cost_model.fdfo_hold if config.fdfo_fill_hold else (lambda rows: 0.0),
                                    clock=clock, full_canvas=shape.canvas == "full")
-        self.outputs = OutputProcessor(tokenizer, spec.end_token_ids, clock)
+        self.outputs = OutputProcessor(tokenizer, spec.end_token_ids)
         self.totals = EngineTotals()
         self._requests: dict[str, Request] = {}
         self._deadlines: list[tuple[float, int, Request]] = []  # heap of (deadline, arrival order, request)
@@ -411,7 +411,7 @@ class Engine:
         self.totals.requests_failed += 1
 
     def _end(self, request: Request, reason: FinishReason, error: str | None, error_kind: str | None = None) -> None:
-        if self.scheduler.finish(request, reason, self.clock()):
+        if self.scheduler.finish(request, reason):
             self._emit(request, error=error, error_kind=error_kind)
 
     def warm_up(self) -> None:

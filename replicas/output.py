@@ -7,7 +7,6 @@ place that changes request state."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,17 +34,15 @@ class BlockCommit:
     token_ids: list[int]  # up to the end (EOS, max_tokens, a stop string's last id included)
     text: str  # the text that became final, up to a stop string
     finish_reason: FinishReason | None  # set when this block ends the output
-    time: float  # on the engine's clock
     logprobs: list[TokenLogprob | None] | None = None  # one per id, when the request asked
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, end_ids: frozenset[int], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, tokenizer, end_ids: frozenset[int]):
         """``end_ids``: the ids that end an answer (``ModelSpec.end_token_ids``)."""
         self.decode = text_decoder(tokenizer)
         self.clean_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self.end_ids = end_ids
-        self.clock = clock
 
     def detokenizer(self, params: SamplingParams) -> Detokenizer:
         """A new request's text state; a continuation's starts after the blocks it resumes
@@ -72,7 +69,7 @@ class OutputProcessor:
             finish = FinishReason.LENGTH
         logprobs = None if logprobs is None else list(logprobs[:len(block_ids)])
         if request.text_at_end and finish is None:
-            return BlockCommit(block_ids, "", None, self.clock(), logprobs)
+            return BlockCommit(block_ids, "", None, logprobs)
         before = len(request.output_ids)
         output = request.output_ids + block_ids
         new_text, kept = request.detokenizer.feed(output, before, final=finish is not None)
@@ -80,4 +77,4 @@ class OutputProcessor:
             block_ids = output[before:kept]
             finish = FinishReason.STOP
             logprobs = None if logprobs is None else logprobs[:len(block_ids)]
-        return BlockCommit(block_ids, new_text, finish, self.clock(), logprobs)
+        return BlockCommit(block_ids, new_text, finish, logprobs)

@@ -67,8 +67,6 @@ class Request:
     # the active block's, when asked: filled in place by each step (``replicas.logprobs``)
     block_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: FinishReason | None = None
-    first_block_time: float | None = None
-    finish_time: float | None = None
 
     @cached_property
     def prompt_pages(self) -> int:

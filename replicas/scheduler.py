@@ -72,12 +72,12 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def finish(self, request: Request, reason: FinishReason, now: float) -> bool:
+    def finish(self, request: Request, reason: FinishReason) -> bool:
         """End a request where it is (abort, deadline, failure): record ``reason`` unless it
         had ended already, and free what it holds. Returns whether it ends now."""
         ends_now = request.finish_reason is None
         if ends_now:
-            request.finish_reason, request.finish_time = reason, now
+            request.finish_reason = reason
         if request.phase is Phase.WAITING:
             self.waiting.remove(request)
         elif request.row >= 0:
@@ -161,10 +161,8 @@ class Scheduler:
         """A done block into the request's output and record."""
         request.output_ids.extend(commit.token_ids)
         request.committed_block_steps.append(request.steps_in_block)
-        if request.first_block_time is None:
-            request.first_block_time = commit.time
         if commit.finish_reason is not None:
-            request.finish_reason, request.finish_time = commit.finish_reason, commit.time
+            request.finish_reason = commit.finish_reason
         if request.block_logprobs is not None:  # the next block's
             request.block_logprobs = [None] * self.block_length
 

@@ -45,7 +45,7 @@ def run_step(scheduler, steps_per_block):
     for request in scheduler.stepped:
         block_done = request.steps_in_block + 1 == steps_per_block[request.request_id]
         last = request.block_index == request.max_blocks - 1
-        commits.append(BlockCommit([7] * BLOCK, "", FinishReason.LENGTH if last else None, 0.0) if block_done else None)
+        commits.append(BlockCommit([7] * BLOCK, "", FinishReason.LENGTH if last else None) if block_done else None)
     scheduler.update_from_step(commits)
     return batch
 
@@ -95,11 +95,11 @@ def test_a_request_ended_since_scheduling_is_skipped_by_the_update():
     scheduler.add(a)
     scheduler.add(b)
     scheduler.schedule()
-    assert scheduler.finish(a, FinishReason.ERROR, 3.0)  # its algorithm failed
-    assert not scheduler.finish(a, FinishReason.ABORT, 4.0)  # ended once: the first reason stays
-    scheduler.update_from_step([BlockCommit([1] * BLOCK, "x", None, 5.0), None])
+    assert scheduler.finish(a, FinishReason.ERROR)  # its algorithm failed
+    assert not scheduler.finish(a, FinishReason.ABORT)  # ended once: the first reason stays
+    scheduler.update_from_step([BlockCommit([1] * BLOCK, "x", None), None])
     assert a.phase is Phase.FINISHED and a.row == -1 and a.steps_in_block == 0 and a.output_ids == []
-    assert (a.finish_reason, a.finish_time) == (FinishReason.ERROR, 3.0)
+    assert a.finish_reason is FinishReason.ERROR
     assert b.phase is Phase.DENOISE and b.steps_in_block == 1
 
 
@@ -109,8 +109,8 @@ def test_finish_frees_a_waiting_or_running_request():
     scheduler.add(a)
     scheduler.add(b)
     scheduler.schedule()  # a runs, b waits for a row
-    assert scheduler.finish(b, FinishReason.TIMEOUT, 1.0) and not scheduler.waiting
-    assert scheduler.finish(a, FinishReason.ABORT, 2.0) and not scheduler.has_work()
+    assert scheduler.finish(b, FinishReason.TIMEOUT) and not scheduler.waiting
+    assert scheduler.finish(a, FinishReason.ABORT) and not scheduler.has_work()
     assert scheduler.pool.num_available == scheduler.pool.capacity and scheduler.rows.num_free == 1
 
 
@@ -144,5 +144,5 @@ def test_engine_runs_on_a_virtual_clock(random_model, tokenizer):
     now[0] += 5.0
     while engine.has_work():
         engine.step()
-    assert request.arrival_time == 100.0 and request.finish_time == 105.0
-    assert len(finals) == 1 and finals[0].completion_tokens == 16
+    assert request.arrival_time == 100.0
+    assert len(finals) == 1 and finals[0].completion_tokens == 16 and finals[0].engine_s == 5.0
