@@ -1,10 +1,10 @@
 """The bench's replayed forward: a replay makes the recorded run's steps and tokens with
-no forward, and one that feeds other tokens than the recording stops at once."""
+no forward, and one that feeds other tokens than the recording fails its requests."""
 
 import pytest
 
 from loadgen.bench.evaluation import tiny_params
-from loadgen.bench.replayed_forward import RecordedForward, ReplayDiverged
+from loadgen.bench.replayed_forward import RecordedForward
 from replicas.engine import Engine, EngineConfig
 from replicas.models import load_model, load_tokenizer
 from replicas.tiny import task
