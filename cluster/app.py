@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 import time
 
 import httpx
@@ -162,13 +163,38 @@ def start_metrics_actor(config: AppConfig):
     return ray.get(actor.ready.remote(), timeout=METRICS_ACTOR_START_S)
 
 
+GCS_CONNECT_TIMEOUT_S = 3.0  # a named cluster's address must accept a connection within this
+
+
+class NoCluster(ValueError):
+    """No running Ray cluster where one was asked for (the CLI prints it as its error)."""
+
+
+def connect(address: str) -> None:
+    """``ray.init`` on an existing cluster (``auto``: the one Ray finds here), failing at
+    once with ``NoCluster`` where there is none: Ray itself retries a silent address for a
+    minute and more, and raises a bare ``ConnectionError`` where it finds no local one."""
+    host, _, port = address.rpartition(":")
+    if "://" not in address and host and port.isdigit():
+        try:
+            socket.create_connection((host, int(port)), timeout=GCS_CONNECT_TIMEOUT_S).close()
+        except OSError as exc:
+            raise NoCluster(f"no Ray cluster answers at {address} ({exc.strerror or exc}); "
+                            "`dllm-serve up` prints the address to give") from None
+    try:
+        ray.init(address=address, namespace=ACTOR_NAMESPACE, log_to_driver=False)
+    except ConnectionError as exc:
+        raise NoCluster(f"no running cluster found ({exc}); start one with `dllm-serve up`, "
+                        "or give the address it printed with --address") from None
+
+
 def deploy(config: AppConfig, address: str | None = None, request_path: LocalRequestPath | None = None) -> str:
     """Start (or connect to) Ray, the metrics actor and the Serve app; returns the metrics URL.
     A local Ray starts with ``request_path``'s environment (the caller's, to stop with
     ``shutdown``); a cluster at ``address`` keeps the request path it was started with."""
     config = size_for_this_node(config)
     if address:
-        ray.init(address=address, namespace=ACTOR_NAMESPACE, log_to_driver=False)
+        connect(address)
     else:
         if request_path is None:
             raise ValueError("a local cluster needs its LocalRequestPath(config.request_path)")
@@ -252,7 +278,7 @@ def _delete_app(config: AppConfig) -> None:
 
 def cluster_status(address: str = "auto") -> dict:
     """Applications, deployments, replica states and per-replica stats of a running cluster."""
-    ray.init(address=address, namespace=ACTOR_NAMESPACE, log_to_driver=False)
+    connect(address)
     try:
         status = serve.status()
         apps = {

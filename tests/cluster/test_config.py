@@ -79,6 +79,17 @@ def test_up_refuses_a_taken_port_before_starting_ray():
     assert "starting dllm-serve" not in result.stdout
 
 
+@pytest.mark.parametrize("command", ["status", "up"])
+def test_a_named_cluster_that_does_not_answer_is_a_clear_error_at_once(command):
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", command, "--address", address],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"no Ray cluster answers at {address}" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_up_help_documents_every_setting():
     result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--help"],
                             capture_output=True, text=True, timeout=120)
