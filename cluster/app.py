@@ -177,7 +177,7 @@ def connect(address: str) -> None:
     host, _, port = address.rpartition(":")
     if "://" not in address and host and port.isdigit():
         try:
-            socket.create_connection((host, int(port)), timeout=GCS_CONNECT_TIMEOUT_S).close()
+            socket.create_connection((host.strip("[]"), int(port)), timeout=GCS_CONNECT_TIMEOUT_S).close()  # [v6]
         except OSError as exc:
             raise NoCluster(f"no Ray cluster answers at {address} ({exc.strerror or exc}); "
                             "`dllm-serve up` prints the address to give") from None
