@@ -333,9 +333,6 @@ class Ingress:
             prompt_ids = self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=not chat)["input_ids"]
         else:
             prompt_ids = prompt
-        if chat and not prompt_ids:
-            raise bad_request("the messages render to an empty prompt: this model's chat template keeps none of "
-                              "their text", param="messages")
         max_tokens = self._max_tokens(body)
         if max_tokens <= 0:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
@@ -344,8 +341,9 @@ class Ingress:
                               param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         suffix_ids = self._suffix_ids(body)
         problem = request_problem(prompt_ids, max_tokens, self.spec, self.shape.max_model_len, suffix_ids=suffix_ids)
-        if problem is not None:
-            raise bad_request(problem.message, param="messages" if chat and problem.too_long else "prompt",
+        if problem is not None:  # a chat's prompt is its messages as the chat template renders them
+            message = f"the messages as the chat template renders them: {problem.message}" if chat else problem.message
+            raise bad_request(message, param="messages" if chat else "prompt",
                               code="context_length_exceeded" if problem.too_long else None)
         algorithm_name, algorithm_params = self._algorithm(body)
         algorithm = get_algorithm(algorithm_name)
