@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import ray
 from fastapi import FastAPI, Header, Query, Request
@@ -90,6 +91,24 @@ def _usage(answers: list[GenerateChunk], n: int) -> dict:
     return protocol.usage(sum(choices[0].prompt_tokens for choices in per_prompt),
                           sum(a.completion_tokens for a in answers),
                           sum(min(a.cached_tokens for a in choices) for choices in per_prompt))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a response's bodies share: the first prompt's job (its id is the response's),
+    when the request came (``created``, the same in every event of a stream), whether it is
+    a chat, ``n`` and the text each choice starts with (``Ingress._echoes``)."""
+
+    job: GenerateRequest
+    created: int
+    chat: bool
+    n: int
+    echoes: list[str]
+
+    def body(self, model: str, choices: list[protocol.Choice], chunk: bool, usage_: dict | None = None,
+             extra: dict | None = None) -> dict:
+        build = protocol.chat_body if self.chat else protocol.completion_body
+        return build(self.job.request_id, self.created, model, choices, chunk, usage_, extra)
 
 
 def _prompt_count(body: protocol.SamplingFields) -> int:
@@ -365,7 +384,7 @@ class Ingress:
         # sent: likely cached where it went
         uncached = prompt_pages(len(prompt_ids), block, self.shape.aligned) - self.sent_prefixes.known_pages(hashes)
         prompt_cost = math.ceil(self.admission.prompt_cost(uncached))
-        return GenerateRequest(protocol.new_id("cmpl"), prompt_ids, params, min(cost + prompt_cost, self.shape.max_cost),
+        return GenerateRequest(protocol.new_id("chatcmpl" if chat else "cmpl"), prompt_ids, params, min(cost + prompt_cost, self.shape.max_cost),
                                prompt_cost, hashes)
 
     def _adaptive_cost(self, cost: int, algorithm: str) -> int:
@@ -443,12 +462,11 @@ class Ingress:
         failover = self.failover if body.stream else self.failover_unary
         stream = self._charged_stream([row for job in jobs for row in rows(job, body.n)], failover,
                                       decision.charge, slot)
-        echoes = self._echoes(body)
+        answer = Answer(jobs[0], int(time.time()), chat, body.n, self._echoes(body))
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(stream, jobs[0], chat, include_usage, body.n, echoes),
-                                     media_type="text/event-stream")
-        return await self._collect(stream, jobs[0], chat, body.n, echoes)
+            return StreamingResponse(self._sse(stream, answer, include_usage), media_type="text/event-stream")
+        return await self._collect(stream, answer)
 
     def _echoes(self, body: protocol.SamplingFields) -> list[str]:
         """The text each choice starts with (``n`` a prompt, prompt by prompt): its prompt,
@@ -509,11 +527,10 @@ class Ingress:
         views = self.admission.view
         return not views or any(replica not in failed and not view.failing_steps for replica, view in views.items())
 
-    async def _collect(self, stream: AsyncIterator[tuple[int, GenerateChunk]], job: GenerateRequest, chat: bool,
-                       n: int, echoes: list[str]) -> JSONResponse:
+    async def _collect(self, stream: AsyncIterator[tuple[int, GenerateChunk]], answer: Answer) -> JSONResponse:
         """The whole answer: every choice (``n`` a prompt, each starting with its echo)."""
-        request_id = job.request_id
-        chunks: list[list[GenerateChunk]] = [[] for _ in echoes]
+        request_id = answer.job.request_id
+        chunks: list[list[GenerateChunk]] = [[] for _ in answer.echoes]
         try:
             async for index, chunk in stream:
                 chunks[index].append(chunk)
@@ -530,19 +547,17 @@ class Ingress:
         if failed is not None:
             log.error("request %s failed: %s", request_id, failed.error)
             raise internal_error(request_id)
-        build = protocol.chat_body if chat else protocol.completion_body
-        choices = [protocol.Choice(i, echo + a.text, a.finish_reason, self._logprobs(a, chat, 0))
-                   for i, (echo, a) in enumerate(zip(echoes, answers))]
-        return JSONResponse(build(request_id, self.config.model_name, choices, chunk=False,
-                                  usage_=_usage(answers, n), extra={"dllm": self._dllm_info(job, *answers)}))
+        choices = [protocol.Choice(i, echo + a.text, a.finish_reason, self._logprobs(a, answer.chat, 0))
+                   for i, (echo, a) in enumerate(zip(answer.echoes, answers))]
+        return JSONResponse(answer.body(self.config.model_name, choices, chunk=False, usage_=_usage(answers, answer.n),
+                                        extra={"dllm": self._dllm_info(answer.job, *answers)}))
 
-    async def _sse(self, stream: AsyncIterator[tuple[int, GenerateChunk]], job: GenerateRequest, chat: bool,
-                   include_usage: bool, n: int, echoes: list[str]) -> AsyncIterator[str]:
+    async def _sse(self, stream: AsyncIterator[tuple[int, GenerateChunk]], answer: Answer,
+                   include_usage: bool) -> AsyncIterator[str]:
         """One event per committed block of each choice (``n`` a prompt; the first one after
         its echo), then ``data: [DONE]``."""
-        request_id = job.request_id
+        request_id = answer.job.request_id
         model = self.config.model_name
-        build = protocol.chat_body if chat else protocol.completion_body
         last: dict[int, GenerateChunk] = {}  # each choice's
         text_offsets: dict[int, int] = {}
         try:
@@ -551,23 +566,24 @@ class Ingress:
                     log.error("request %s failed: %s", request_id, chunk.error)
                     yield protocol.sse_event(internal_error(request_id).body())
                     break
-                logprobs = self._logprobs(chunk, chat, text_offsets.get(index, 0))
-                if logprobs is not None and not chat:
+                logprobs = self._logprobs(chunk, answer.chat, text_offsets.get(index, 0))
+                if logprobs is not None and not answer.chat:
                     text_offsets[index] = text_offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
                 first = index not in last
-                text = echoes[index] + chunk.text if first else chunk.text
+                text = answer.echoes[index] + chunk.text if first else chunk.text
                 choice = protocol.Choice(index, text, chunk.finish_reason, logprobs, first=first)
                 last[index] = chunk
-                yield protocol.sse_event(build(request_id, model, [choice], chunk=True,
-                                               extra={"dllm": self._dllm_info(job, chunk)}))
+                yield protocol.sse_event(answer.body(model, [choice], chunk=True,
+                                                     extra={"dllm": self._dllm_info(answer.job, chunk)}))
         except APIError as exc:
             yield protocol.sse_event(exc.body())
         except Exception:
             log.exception("request %s failed", request_id)
             yield protocol.sse_event(internal_error(request_id).body())
-        if include_usage and len(last) == len(echoes) and not any(c.error for c in last.values()):
-            body = build(request_id, model, [], chunk=True, usage_=_usage([last[i] for i in range(len(echoes))], n))
-            yield protocol.sse_event(body)
+        choices = len(answer.echoes)
+        if include_usage and len(last) == choices and not any(c.error for c in last.values()):
+            usage_ = _usage([last[i] for i in range(choices)], answer.n)
+            yield protocol.sse_event(answer.body(model, [], chunk=True, usage_=usage_))
         yield "data: [DONE]\n\n"
 
     def _logprobs(self, chunk: GenerateChunk, chat: bool, text_offset: int) -> dict | None:

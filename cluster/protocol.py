@@ -15,7 +15,6 @@ context: prompt characters and chat messages); the sampling values by the algori
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -334,10 +333,11 @@ class Choice:
     first: bool = False  # a chat stream's first event of this choice: its delta names the role
 
 
-def completion_body(request_id: str, model: str, choices: list[Choice], chunk: bool,
+def completion_body(request_id: str, created: int, model: str, choices: list[Choice], chunk: bool,
                     usage_: dict | None = None, extra: dict | None = None) -> dict:
+    """A completion, or one event of its stream (``created``: the request's, the same in every event)."""
     body = {
-        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+        "id": request_id, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
                     for c in choices],
     }
@@ -348,16 +348,17 @@ def completion_body(request_id: str, model: str, choices: list[Choice], chunk: b
     return body
 
 
-def chat_body(request_id: str, model: str, choices: list[Choice], chunk: bool,
+def chat_body(request_id: str, created: int, model: str, choices: list[Choice], chunk: bool,
               usage_: dict | None = None, extra: dict | None = None) -> dict:
+    """A chat completion, or one event of its stream (``created`` as in ``completion_body``)."""
     if chunk:
-        body = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": c.index, "delta": {**({"role": "assistant"} if c.first else {}), "content": c.text},
                              "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in choices]}
         if usage_ is not None:
             body["usage"] = usage_
     else:
-        body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in choices],
                 "usage": usage_}

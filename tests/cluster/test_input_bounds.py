@@ -36,7 +36,7 @@ from test_serving import series
 API_KEY = "test-key"  # the cluster fixture's
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = "/v1/chat/completions"
-INTERNAL = re.compile(r"^internal error; request id cmpl-[0-9a-f]{24}$")
+INTERNAL = re.compile(r"^internal error; request id (chat)?cmpl-[0-9a-f]{24}$")
 MAX_PROMPT_CHARS = protocol.RequestLimits().max_prompt_chars
 
 

@@ -80,6 +80,7 @@ def test_openai_client_completes_chats_and_streams(cluster):
     chat = client.chat.completions.create(model="tiny", max_tokens=TINY_MAX_TOKENS,
                                           messages=[{"role": "user", "content": SIX_PUZZLES.prompt}])
     assert chat.choices[0].message.role == "assistant"
+    assert chat.id.startswith("chatcmpl-") and completion.id.startswith("cmpl-")  # as OpenAI names them
     assert chat.choices[0].message.content == completion.choices[0].text
 
     arrivals, chunks = [], []
@@ -98,6 +99,9 @@ def test_openai_client_completes_chats_and_streams(cluster):
     assert chunks[-1].choices[0].finish_reason == "stop"
     # streamed as they commit, not all at the end
     assert arrivals[-1] - arrivals[0] > 0.05
+    # every event of a stream names the one response: its id and when it was created
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert len({c.created for c in chunks}) == 1 and abs(chunks[0].created - time.time()) < 600
 
     text_stream = client.completions.create(model="tiny", prompt=SIX_PUZZLES.prompt, max_tokens=32, stream=True)
     pieces = [c.choices[0].text for c in text_stream]
