@@ -52,6 +52,7 @@ from cluster.admission import AdmissionController, Charge, Decision
 from cluster.auth import ApiKey, KeyRing, KeySlot, load_keys
 from cluster.choices import merged, rows
 from cluster.config import AppConfig
+from cluster.disconnects import unless_disconnected
 from cluster.errors import APIError, bad_request, install_error_handlers, internal_error, validation_error
 from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.front_door import FrontDoor
@@ -260,7 +261,11 @@ class Ingress:
             slot = self._key_slot(self.check_before_body(request.headers))
             try:
                 body = await self._read(request, model)
-                return await self._serve(body, chat, slot)
+                if body.stream:  # a stream notices its client leaving by itself
+                    return await self._serve(body, chat, slot)
+                answer = await unless_disconnected(request, self._serve(body, chat, slot))
+                slot.release()  # (released already, unless the client left before the replicas were asked)
+                return answer
             except BaseException:
                 slot.release()
                 raise

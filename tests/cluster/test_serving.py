@@ -3,6 +3,7 @@
 import asyncio
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -394,6 +395,35 @@ def test_metrics_after_load_are_complete_and_consistent(cluster):
     assert all(0 < v <= 1 for v in series(after, "dllm_compute_ratio").values())
     assert total(after, "dllm_replicas") == 2
     assert total(after, "dllm_rejected_total") >= 100  # from the burst test
+
+
+def test_a_client_leaving_before_its_whole_answer_aborts_it(cluster):
+    """A request for a whole answer has nothing to send until the end; the client closing
+    its connection still stops it on the replica (it was computed to the end before)."""
+    before = wait_idle_metrics(cluster)
+    aborted_before = total(before, "dllm_requests_total", 'finish_reason="abort"')
+    body = json.dumps({"model": "tiny", "prompt": SIX_PUZZLES.prompt, "max_tokens": 384, "ignore_eos": True,
+                       **SLOW}).encode()  # 24 blocks of 16 steps: seconds, not one report period
+    host, port = cluster.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() +
+                           b"\r\nContent-Type: application/json\r\nAuthorization: Bearer " + API_KEY.encode() +
+                           b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 30
+        while total(cluster.metrics_text(), "dllm_running_requests") < 1:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.05)
+    # the connection is closed while the replica denoises the answer
+    after = wait_idle_metrics(cluster)
+    assert total(after, "dllm_requests_total", 'finish_reason="abort"') - aborted_before == 1
+    assert total(after, "dllm_requests_total", 'finish_reason="length"') == \
+        total(before, "dllm_requests_total", 'finish_reason="length"')
+    closed_before = total(before, "dllm_http_responses_total", 'code="499"')  # nginx's "client closed request"
+    deadline = time.monotonic() + 20  # the ingress reports its responses apart from the replicas
+    while (closed := total(cluster.metrics_text(), "dllm_http_responses_total", 'code="499"') - closed_before) < 1:
+        assert time.monotonic() < deadline, "no 499 counted"
+        time.sleep(0.1)
+    assert closed == 1
 
 
 def test_client_disconnect_mid_stream_frees_pages(cluster):
