@@ -24,10 +24,11 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client closed; n
 
 
 async def _disconnected(request: Request) -> None:
-    """Returns once the client has closed the connection (the body must be read already:
-    the ASGI server then answers ``receive`` only with the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    """Returns once the client has closed the connection. The body is read already, so an
+    ASGI server answers ``receive`` only with the disconnect; where it answers anything
+    else it cannot tell, and this waits until cancelled (the answer is never cut short)."""
+    if (await request.receive())["type"] != "http.disconnect":
+        await asyncio.Event().wait()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
