@@ -59,7 +59,7 @@ from cluster.front_door import FrontDoor
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from cluster.request_path import logs_to_stderr_in_this_process, path_in_this_process
 from cluster.router import PrefixMemory
-from replicas.limits import aligned_head, blocks_needed, prompt_pages
+from replicas.limits import aligned_head, blocks_needed, prompt_pages, room_for_output
 from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, SamplingParams, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
 from replicas.prefix_cache import page_hashes
@@ -357,13 +357,21 @@ class Ingress:
             prompt_ids = self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=not chat)["input_ids"]
         else:
             prompt_ids = prompt
+        suffix_ids = self._suffix_ids(body)
         max_tokens = self._max_tokens(body)
         if max_tokens <= 0:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         if max_tokens > self.shape.max_model_len:
             raise bad_request(f"max_tokens {max_tokens} is over this model's limit of {self.shape.max_model_len}",
                               param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
-        suffix_ids = self._suffix_ids(body)
+        if body.output_limit is None:  # the default: at most what fits beside this prompt
+            room = room_for_output(len(prompt_ids), block, self.shape.max_model_len, len(suffix_ids))
+            if room < 1:
+                what = "the messages as the chat template renders them leave" if chat else "the prompt leaves"
+                raise bad_request(f"{what} no room for an answer ({len(prompt_ids)} tokens): this model "
+                                  f"serves at most {self.shape.max_model_len} positions in blocks of {block}",
+                                  param="messages" if chat else "prompt", code="context_length_exceeded")
+            max_tokens = min(max_tokens, room)
         problem = request_problem(prompt_ids, max_tokens, self.spec, self.shape.max_model_len, suffix_ids=suffix_ids)
         if problem is not None:  # a chat's prompt is its messages as the chat template renders them
             message = f"the messages as the chat template renders them: {problem.message}" if chat else problem.message

@@ -34,6 +34,13 @@ def pages_needed(prompt_tokens: int, max_tokens: int, block_length: int, suffix_
             + -(-suffix_tokens // block_length))
 
 
+def room_for_output(prompt_tokens: int, block_length: int, max_model_len: int, suffix_tokens: int = 0) -> int:
+    """The most output tokens that fit beside the prompt (and suffix) in ``max_model_len``
+    positions (whole blocks; 0: none)."""
+    pages = max_model_len // block_length - -(-prompt_tokens // block_length) - -(-suffix_tokens // block_length)
+    return max(0, pages) * block_length
+
+
 def length_error(prompt_tokens: int, max_tokens: int, block_length: int, max_model_len: int,
                  suffix_tokens: int = 0) -> str | None:
     """Why the request is too long for ``max_model_len`` positions, or None if it fits."""

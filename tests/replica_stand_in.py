@@ -21,7 +21,9 @@ class Replicas:
     def __init__(self):
         handle = handle_over(self._generate)
         self.generate, self.generate_unary = handle.generate, handle.generate_unary
+        self.jobs = []  # every request sent, in order
 
     async def _generate(self, job):
+        self.jobs.append(job)
         yield GenerateChunk(text="x", token_ids=[5], finished=True, finish_reason="stop",
                             prompt_tokens=len(job.prompt_ids), completion_tokens=1, steps=2, block_steps=[2])

@@ -56,11 +56,13 @@ def make_ingress(**settings):
     from cluster.ingress import Ingress
 
     plain = next(c for c in Ingress.__mro__ if "_prepare" in vars(c))  # under serve.ingress's wrapper
-    handle = types.SimpleNamespace(options=lambda **_: Replicas())
+    replicas = Replicas()
+    handle = types.SimpleNamespace(options=lambda **_: replicas)
     instance = plain.__new__(plain)
     plain.__init__(instance, handle, load_config(overrides=settings).model_dump(mode="json"))
     instance.tokenizer = CountingTokenizer(instance.tokenizer)
     instance._metrics = MetricsActor()  # never ray.get_actor, which would start Ray
+    instance.sent = replicas.jobs  # what reached the replicas
     return plain, instance
 
 
@@ -152,6 +154,30 @@ def test_the_output_bound_refuses_before_tokenizing():
     assert held.admitted  # room for a one-block request, not for 32 blocks
     response = asyncio.run(answer(plain, ingress, completion(max_tokens=512)))
     assert response.status_code == 429 and ingress.tokenizer.calls == 0
+
+
+def test_the_default_output_limit_is_what_fits_beside_the_prompt():
+    """max_tokens not given: the default (128), or less where the prompt leaves less room
+    (the tiny model serves 512 positions in blocks of 16); given, it is the client's."""
+    plain, ingress = make_ingress()
+
+    def sent(prompt: str, **fields):
+        response = asyncio.run(answer(plain, ingress, {"model": "tiny", "prompt": prompt, **fields}))
+        error = json.loads(response.body).get("error")
+        return response.status_code, ingress.sent[-1].params.max_tokens if response.status_code == 200 else error
+
+    assert sent("1" * 20) == (200, 128)
+    assert sent("1" * 396) == (200, 112)  # 25 prompt pages of 32
+    assert sent("1" * 396, max_tokens=16) == (200, 16)
+    status, error = sent("1" * 396, max_tokens=128)  # asked for: refused, not cut
+    assert status == 400 and error["code"] == "context_length_exceeded" and "max_tokens (128)" in error["message"]
+    status, error = sent("1" * 500)
+    assert status == 400 and (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert error["message"].startswith("the prompt leaves no room for an answer (500 tokens)")
+    chat = asyncio.run(answer(plain, ingress, {"model": "tiny", "messages": [{"role": "user", "content": "1" * 380}]},
+                              path="/v1/chat/completions"))
+    assert chat.status_code == 200 and ingress.sent[-1].params.max_tokens == 512 - 16 * -(-len(
+        ingress.sent[-1].prompt_ids) // 16)
 
 
 def test_long_prompts_are_tokenized_off_the_event_loop_short_ones_on_it():
