@@ -65,6 +65,7 @@ from replicas.models import load_model_spec, load_tokenizer
 from replicas.prefix_cache import page_hashes
 from replicas.reports import IngressReport, stale_after_s
 from replicas.settings import ServingShape, resolve_algorithm
+from replicas.token_bytes import token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,9 @@ class Ingress:
         self.replicas_unary = replicas.options(stream=False, _by_reference=by_reference)
         self.keys = KeyRing(load_keys(self.config.api_key_file))  # read here, never passed in the arguments
         self.tokenizer = load_tokenizer(self.config.model)
-        self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: self.tokenizer.decode([token]))
+        raw = token_bytes(self.tokenizer)
+        self._piece = functools.lru_cache(maxsize=1 << 16)(
+            lambda token: protocol.Piece(self.tokenizer.decode([token]), raw(token)))
         self.spec = load_model_spec(self.config.model, self.config.replica.model_overrides)
         default_name, default_params = resolve_algorithm(self.config.replica, self.spec)
         get_algorithm(default_name).make_params(default_params)  # a bad default fails at start
@@ -603,9 +606,9 @@ class Ingress:
         """The chunk's tokens' ``logprobs`` as the API shapes them; None when not asked."""
         if chunk.logprobs is None:
             return None
-        text = self._token_text
-        entries = [protocol.TokenEntry(text(token), None if record is None else record.logprob,
-                                       () if record is None else tuple((text(t), lp) for t, lp in record.top))
+        piece = self._piece
+        entries = [protocol.TokenEntry(piece(token), None if record is None else record.logprob,
+                                       () if record is None else tuple((piece(t), lp) for t, lp in record.top))
                    for token, record in zip(chunk.token_ids, chunk.logprobs)]
         return protocol.chat_logprobs(entries) if chat else protocol.completion_logprobs(entries, text_offset)
 

@@ -368,34 +368,56 @@ def chat_body(request_id: str, created: int, model: str, choices: list[Choice], 
 
 
 @dataclass(frozen=True)
-class TokenEntry:
-    """One returned token for ``logprobs``: its text, log-probability (None: not recorded)
-    and the alternatives ``(text, log-probability)``, the most likely first."""
+class Piece:
+    """A token as ``logprobs`` show it: its decoded ``text`` and the ``raw`` bytes it stands
+    for (``replicas.token_bytes``); they differ where a token holds part of a character."""
 
-    token: str
+    text: str
+    raw: bytes
+
+    @property
+    def shown(self) -> str:
+        """The text, or where the token holds only part of a character (its text decodes to
+        U+FFFD), its bytes written as ``\\xe4\\xbd``: U+FFFD would stand for any of them."""
+        if "\ufffd" not in self.text:
+            return self.text
+        try:
+            return self.raw.decode()
+        except UnicodeDecodeError:
+            return "".join(f"\\x{b:02x}" for b in self.raw)
+
+
+@dataclass(frozen=True)
+class TokenEntry:
+    """One returned token for ``logprobs``: the token, its log-probability (None: not
+    recorded) and the alternatives ``(token, log-probability)``, the most likely first."""
+
+    token: Piece
     logprob: float | None
-    top: tuple[tuple[str, float], ...] = ()
+    top: tuple[tuple[Piece, float], ...] = ()
 
 
 UNLIKELY = -9999.0  # OpenAI's stand-in for a log-probability it cannot give
 
 
 def completion_logprobs(entries: list[TokenEntry], text_offset: int) -> dict:
-    """The ``logprobs`` of a completion choice; ``text_offset``: the first token's offset in the answer."""
+    """The ``logprobs`` of a completion choice (tokens as decoded text); ``text_offset``:
+    the first token's offset in the answer."""
     offsets = []
     for entry in entries:
         offsets.append(text_offset)
-        text_offset += len(entry.token)
-    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+        text_offset += len(entry.token.text)
+    return {"tokens": [e.token.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{piece.text: lp for piece, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 def chat_logprobs(entries: list[TokenEntry]) -> dict:
-    """The ``logprobs`` of a chat choice."""
-    def described(token: str, logprob: float | None) -> dict:
-        return {"token": token, "logprob": UNLIKELY if logprob is None else logprob, "bytes": list(token.encode())}
+    """The ``logprobs`` of a chat choice: each token with the bytes it stands for, which a
+    client joins over the tokens that split a character."""
+    def described(piece: Piece, logprob: float | None) -> dict:
+        return {"token": piece.shown, "logprob": UNLIKELY if logprob is None else logprob, "bytes": list(piece.raw)}
 
-    return {"content": [{**described(e.token, e.logprob), "top_logprobs": [described(t, lp) for t, lp in e.top]}
+    return {"content": [{**described(e.token, e.logprob), "top_logprobs": [described(p, lp) for p, lp in e.top]}
                         for e in entries], "refusal": None}
 
 
