@@ -193,6 +193,20 @@ class CompletionRequest(SamplingFields):
                                  description="each token's log-probability and this many alternatives")
     best_of: StrictInt | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_of_the_prompt_shapes(cls, prompt):
+        """One clear error for a prompt of another shape (a number, a mixed list, floats),
+        instead of one per branch of the union, named after the branch."""
+        def ids(value) -> bool:
+            return isinstance(value, list) and all(type(t) is int for t in value)
+
+        if not (isinstance(prompt, str) or ids(prompt) or (isinstance(prompt, list) and (
+                all(isinstance(p, str) for p in prompt) or all(map(ids, prompt))))):
+            raise ValueError("must be a string, a list of strings, a list of token ids (integers) or a list "
+                             "of lists of token ids")
+        return prompt
+
     @field_validator("prompt")
     @classmethod
     def _prompts_within_bounds(cls, prompt, info: ValidationInfo):
@@ -253,7 +267,7 @@ class ChatMessage(BaseModel):
         """One clear error for content of another type (null, a number, an object), instead
         of one per branch of the union, named after the branch."""
         if not isinstance(content, (str, list)):
-            raise ValueError("content must be a string or a list of text parts")
+            raise ValueError("must be a string or a list of text parts")
         return content
 
     @field_validator("content")

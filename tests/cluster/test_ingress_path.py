@@ -143,8 +143,11 @@ def test_bad_json_is_a_400_after_the_cheap_checks():
     plain, ingress = make_ingress()
     response = asyncio.run(answer(plain, ingress, b'{"model": "tiny", "prompt": '))
     assert response.status_code == 400 and json.loads(response.body)["error"]["code"] == "invalid_json"
-    response = asyncio.run(answer(plain, ingress, {"model": "tiny", "prompt": 123}))
-    assert response.status_code == 400 and json.loads(response.body)["error"]["param"] == "prompt.str"
+    for shape in (123, [[5, "a"]], [5.0, 6], [True, 5], [[5], "x"]):  # one error, not one per branch of the union
+        response = asyncio.run(answer(plain, ingress, {"model": "tiny", "prompt": shape}))
+        error = json.loads(response.body)["error"]
+        assert response.status_code == 400 and error["param"] == "prompt", shape
+        assert error["message"].startswith("prompt: must be a string, a list of strings, a list of token ids"), shape
 
 
 def test_the_output_bound_refuses_before_tokenizing():

@@ -58,6 +58,8 @@ OUT_OF_BOUNDS = [
     ("prompt over max_prompt_chars", completion(prompt="1" * (MAX_PROMPT_CHARS + 1)), "prompt"),
     ("more prompts than choices", completion(prompt=["1."] * 9), "prompt"),
     ("a prompt of a list over max_prompt_chars", completion(prompt=["1.", "1" * (MAX_PROMPT_CHARS + 1)]), "prompt"),
+    ("a prompt list of token ids and text", completion(prompt=[[5], "x"]), "prompt"),
+    ("token ids as floats and booleans", completion(prompt=[5.0, True]), "prompt"),
     ("echo with logprobs", completion(echo=True, logprobs=1), "logprobs"),
     ("max_tokens 0", completion(max_tokens=0), "max_tokens"),
     ("max_tokens past int64", completion(max_tokens=2 ** 63), "max_tokens"),
