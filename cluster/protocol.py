@@ -149,12 +149,14 @@ class SamplingFields(_UnhonouredFields):
             raise ValueError(f"n must be 1 to {limit} on this server")
         return n
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
     def _stops(cls, stop):
-        stops = [stop] if isinstance(stop, str) else (stop or [])
-        if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings of at most "
+        """As a list; one error for any other shape or size (not one per branch of the union)."""
+        stops = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
+        if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or any(
+                not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings of at most "
                              f"{MAX_STOP_CHARS} characters")
         return stops
 

@@ -75,6 +75,7 @@ OUT_OF_BOUNDS = [
     ("seed past 63 bits", completion(seed=2 ** 63), "seed"),
     ("five stops", completion(stop=["a", "b", "c", "d", "e"]), "stop"),
     ("long stop", completion(stop="s" * 257), "stop"),
+    ("stop strings that are numbers", completion(stop=[5]), "stop"),
     ("include_usage not a boolean", completion(stream=True, stream_options={"include_usage": "yes"}), "stream_options"),
     ("user too long", completion(user="u" * 257), "user"),
     ("threshold over 1", completion(threshold=1.5), "threshold"),
