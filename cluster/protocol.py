@@ -268,7 +268,7 @@ class ChatMessage(BaseModel):
     def _string_or_parts(cls, content):
         """One clear error for content of another type (null, a number, an object), instead
         of one per branch of the union, named after the branch."""
-        if not isinstance(content, (str, list)):
+        if not isinstance(content, str) and not (isinstance(content, list) and all(isinstance(p, dict) for p in content)):
             raise ValueError("must be a string or a list of text parts")
         return content
 
@@ -280,8 +280,10 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"content takes at most {MAX_CONTENT_PARTS} parts")
             parts = []
             for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if part.get("type") != "text":
                     raise ValueError("only text content parts are supported")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError("a text part needs its text (a string)")
                 parts.append(part["text"])
             content = "".join(parts)
         limit = _limits(info).max_prompt_chars

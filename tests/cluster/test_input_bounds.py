@@ -104,6 +104,8 @@ OUT_OF_BOUNDS = [
     ("empty messages", chat([]), "messages"),
     # the tiny model's chat template keeps the last user message: a tool message alone renders to nothing
     ("null content", chat([{"role": "user", "content": None}]), "messages.0.content"),
+    ("content parts that are numbers", chat([{"role": "user", "content": [5]}]), "messages.0.content"),
+    ("a text part without its text", chat([{"role": "user", "content": [{"type": "text"}]}]), "messages.0.content"),
     ("messages that render to nothing", chat([{"role": "tool", "content": "7", "tool_call_id": "1"}]), "messages"),
 ]
 
