@@ -26,8 +26,13 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client closed; n
 async def _disconnected(request: Request) -> None:
     """Returns once the client has closed the connection. The body is read already, so an
     ASGI server answers ``receive`` only with the disconnect; where it answers anything
-    else it cannot tell, and this waits until cancelled (the answer is never cut short)."""
-    if (await request.receive())["type"] != "http.disconnect":
+    else, or fails, it cannot tell, and this waits until cancelled (an answer is never cut
+    short on a doubt)."""
+    try:
+        message = await request.receive()
+    except Exception:
+        message = {}
+    if message.get("type") != "http.disconnect":
         await asyncio.Event().wait()
 
 

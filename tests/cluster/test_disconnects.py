@@ -73,6 +73,14 @@ def test_a_receive_that_answers_other_messages_never_cuts_the_answer_nor_spins()
     assert result == "the answer" and len(calls) == 1
 
 
+def test_a_receive_that_fails_never_cuts_the_answer():
+    async def receive():
+        raise RuntimeError("the server's receive broke")
+
+    result = asyncio.run(unless_disconnected(request_with(receive), _work(asyncio.Event(), [], seconds=0.01)))
+    assert result == "the answer"
+
+
 def test_the_works_error_reaches_the_caller():
     async def fails():
         raise ValueError("refused")
