@@ -247,7 +247,8 @@ class AppConfig(_Section):
                                "forwards straight to the ingress replicas, Serve's throughput-optimized options "
                                "on), 'throughput' (those options behind Serve's Python proxy) or 'proxy' (Serve as "
                                "it ships); see cluster.request_path")
-    default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none (less where the prompt leaves less room)")
+    default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none (less where the "
+                                                            "prompt leaves less room)")
     request_timeout_s: float | None = Field(
         600.0, gt=0, description="a request still running this long after it arrived ends with a timeout error "
                                  "(504), its pages and admission charge freed; none: no deadline")

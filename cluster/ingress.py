@@ -400,8 +400,8 @@ class Ingress:
         # sent: likely cached where it went
         uncached = prompt_pages(len(prompt_ids), block, self.shape.aligned) - self.sent_prefixes.known_pages(hashes)
         prompt_cost = math.ceil(self.admission.prompt_cost(uncached))
-        return GenerateRequest(protocol.new_id("chatcmpl" if chat else "cmpl"), prompt_ids, params, min(cost + prompt_cost, self.shape.max_cost),
-                               prompt_cost, hashes)
+        return GenerateRequest(protocol.new_id("chatcmpl" if chat else "cmpl"), prompt_ids, params,
+                               min(cost + prompt_cost, self.shape.max_cost), prompt_cost, hashes)
 
     def _adaptive_cost(self, cost: int, algorithm: str) -> int:
         """An adaptive request's charge while the replicas run degraded: ``cost`` at the

@@ -268,7 +268,8 @@ class ChatMessage(BaseModel):
     def _string_or_parts(cls, content):
         """One clear error for content of another type (null, a number, an object), instead
         of one per branch of the union, named after the branch."""
-        if not isinstance(content, str) and not (isinstance(content, list) and all(isinstance(p, dict) for p in content)):
+        parts = isinstance(content, list) and all(isinstance(part, dict) for part in content)
+        if not (isinstance(content, str) or parts):
             raise ValueError("must be a string or a list of text parts")
         return content
 
