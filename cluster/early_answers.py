@@ -1,19 +1,24 @@
-"""Answer a completion request that its headers already refuse, below FastAPI.
+"""Answer a completion request that its headers or its output bound already refuse, below FastAPI.
 
 A refusal (wrong key, server draining, body too large, cluster at its step capacity) is
-decided from the headers and admission's state alone. Raised from a route, it first goes
-through FastAPI's routing, parameter resolution and exception handlers: about 0.5 ms of
-CPU a request on the project's 2-core VM, as much again as a plain uvicorn takes to answer
+decided from the headers and admission's state alone, or, under overload, from the few
+body fields that bound the request's output (``max_tokens``, ``n``, the prompts, its
+deadline). Raised from a route, it first goes through FastAPI's routing, parameter
+resolution, the body's validation and the exception handlers: about 0.5 ms of CPU a
+request on the project's 2-core VM, as much again as a plain uvicorn takes to answer
 (request path ``ingress``; behind Serve's own HTTP handling the saving is lost in the
 rest, docs/request-path.md). This pure-ASGI middleware asks the ingress of this process
 (``answer_for``, called by the Ingress when it starts: one per replica process) before any
-of that, and sends the same error envelope itself. The route runs the same checks again
-for the requests that pass (they are cheap), so it answers alike where the middleware is
-not in front of it.
+of that, and sends the same error envelope itself. It reads a small body to do so and
+hands the app the same messages again. The route runs the same checks again for the
+requests that pass (they are cheap), so it answers alike where the middleware is not in
+front of it.
 """
 
 from __future__ import annotations
 
+import json
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
@@ -23,12 +28,18 @@ Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
-COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+CHAT_PATH = "/v1/chat/completions"
+COMPLETION_PATHS = frozenset({"/v1/completions", CHAT_PATH})
+PEEK_BODY_BYTES = 1 << 16  # larger bodies go to the route unread here (parsing them twice would cost more)
 
 
 class RefusesEarly(Protocol):
     def check_before_body(self, headers: Mapping[str, str]) -> None:
         """Raise the APIError a request with these headers gets before its body is read."""
+
+    def check_body(self, body: object, chat: bool) -> None:
+        """Raise the APIError a request with this body (parsed JSON, not validated) gets
+        before it is validated."""
 
 
 _ingress: RefusesEarly | None = None  # the ingress of this process
@@ -52,12 +63,54 @@ class EarlyAnswers:
         ingress = _ingress
         if ingress is not None and scope["type"] == "http" and scope["method"] == "POST" \
                 and scope["path"] in COMPLETION_PATHS:
+            headers = _headers(scope)
+            read: list[dict] = []
             try:
-                ingress.check_before_body(_headers(scope))
+                ingress.check_before_body(headers)
+                if _small_body(headers):
+                    read, body = await _peek(receive)
+                    if body is not None:
+                        ingress.check_body(body, scope["path"] == CHAT_PATH)
             except APIError as refusal:
                 await refusal.response()(scope, receive, send)
                 return
+            receive = _replaying(read, receive)
         await self.app(scope, receive, send)
+
+
+def _small_body(headers: Mapping[str, str]) -> bool:
+    """Whether the body is announced within ``PEEK_BODY_BYTES`` (a chunked one is read up to it)."""
+    length = headers.get("content-length")
+    return length is None or (length.isdigit() and int(length) <= PEEK_BODY_BYTES)
+
+
+async def _peek(receive: Receive) -> tuple[list[dict], object]:
+    """The messages read from ``receive`` (to hand on), and the body they hold as parsed
+    JSON, or None: not JSON, over ``PEEK_BODY_BYTES``, or cut by the client leaving."""
+    read, size = [], 0
+    while True:
+        message = await receive()
+        read.append(message)
+        size += len(message.get("body", b""))
+        if message["type"] != "http.request" or size > PEEK_BODY_BYTES:
+            return read, None
+        if not message.get("more_body", False):
+            break
+    try:
+        return read, json.loads(b"".join(m.get("body", b"") for m in read))
+    except ValueError:  # not JSON (or not UTF-8): the route says so
+        return read, None
+
+
+def _replaying(read: list[dict], receive: Receive) -> Receive:
+    """``receive`` for the app: the messages read already, then the client's own."""
+    if not read:
+        return receive
+    pending = deque(read)
+
+    async def replayed() -> dict:
+        return pending.popleft() if pending else await receive()
+    return replayed
 
 
 def _headers(scope: Scope) -> dict[str, str]:

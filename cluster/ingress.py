@@ -117,6 +117,22 @@ def _prompt_count(body: protocol.SamplingFields) -> int:
     return 1 if isinstance(body, protocol.ChatCompletionRequest) else len(body.prompts)
 
 
+def _positive_int(value: object) -> bool:
+    return type(value) is int and 0 < value <= protocol.MAX_INT
+
+
+def _plain_prompt_count(prompt: object) -> int:
+    """How many prompts a completion's unvalidated ``prompt`` holds (as ``protocol.prompt_list``
+    counts them), or 0 where it is of no shape the API takes."""
+    if isinstance(prompt, str):
+        return 1
+    if not isinstance(prompt, list) or not prompt:
+        return 0
+    if all(type(p) is int for p in prompt):
+        return 1
+    return len(prompt) if all(isinstance(p, (str, list)) for p in prompt) else 0
+
+
 def _prompt_chars(body: protocol.SamplingFields) -> int:
     if isinstance(body, protocol.ChatCompletionRequest):
         return sum(len(str(m.content)) for m in body.messages)
@@ -361,7 +377,7 @@ class Ingress:
         else:
             prompt_ids = prompt
         suffix_ids = self._suffix_ids(body)
-        max_tokens = self._max_tokens(body)
+        max_tokens = self._max_tokens(body.output_limit)
         if max_tokens <= 0:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         if max_tokens > self.shape.max_model_len:
@@ -446,13 +462,35 @@ class Ingress:
             params = {**params, "seed": secrets.randbits(63)}
         return name, params
 
-    def _max_tokens(self, body: protocol.SamplingFields) -> int:
-        return body.output_limit if body.output_limit is not None else self.config.default_max_tokens
+    def _max_tokens(self, output_limit: int | None) -> int:
+        """A request's max_tokens (or max_completion_tokens), else the server's default."""
+        return output_limit if output_limit is not None else self.config.default_max_tokens
+
+    def _refuse_output_bound(self, output_limit: int | None, n: int, prompts: int, deadline_s: float | None) -> None:
+        """429 where admission refuses the request's output blocks alone (``n`` choices of
+        ``prompts`` prompts), before its prompt is tokenized (its pages are charged later)."""
+        limit = min(max(self._max_tokens(output_limit), 1), self.shape.max_model_len)
+        blocks = blocks_needed(limit, self.shape.block_length)
+        self._refuse_if(self.admission.quick_refusal(blocks * n * prompts, deadline_s))
+
+    def check_body(self, body: object, chat: bool) -> None:
+        """The refusal of ``_serve``'s first check, from the body as parsed JSON, before it
+        is validated (``cluster.early_answers``); raises APIError. A body whose fields the
+        check reads are not plainly valid passes: the route validates it and says what is
+        wrong."""
+        if not isinstance(body, dict):
+            return
+        limit = body.get("max_completion_tokens")
+        limit = body.get("max_tokens") if limit is None else limit
+        n, deadline = body.get("n", 1), body.get("deadline_s")
+        prompts = 1 if chat else _plain_prompt_count(body.get("prompt"))
+        if (limit is None or _positive_int(limit)) and _positive_int(n) and prompts \
+                and n * prompts <= self.config.ingress.max_n \
+                and (deadline is None or (type(deadline) in (int, float) and 0 < deadline < math.inf)):
+            self._refuse_output_bound(limit, n, prompts, deadline)
 
     async def _serve(self, body: protocol.SamplingFields, chat: bool, slot: KeySlot):
-        # the bound for its output blocks, before the prompt is tokenized (checked there)
-        blocks = blocks_needed(min(max(self._max_tokens(body), 1), self.shape.max_model_len), self.shape.block_length)
-        self._refuse_if(self.admission.quick_refusal(blocks * body.n * _prompt_count(body), body.deadline_s))
+        self._refuse_output_bound(body.output_limit, body.n, _prompt_count(body), body.deadline_s)
 
         def prepare() -> list[GenerateRequest]:
             prompts = self._prompts(body)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from cluster import early_answers
 from cluster.auth import API_KEYS_ENV
 from cluster.http_tally import TALLY
 from cluster.ingress import app
@@ -75,3 +76,80 @@ def test_what_the_headers_do_not_refuse_reaches_the_app():
     # Serve, cannot find its replica: what matters is that the app, not the middleware, answered)
     status, _, body, reads = call("POST", "/v1/completions", JSON, BODY)
     assert status == 500 and body["error"]["code"] == "internal_error" and ingress.rejected["step_capacity"] == 0
+
+
+def near_capacity():
+    """An ingress with room for a one-block request (1 row-step of the bound), not for more."""
+    _, ingress = make_ingress(**{"admission.max_step_debt_per_replica": 100})
+    ingress.held = ingress.admission.try_admit(99)  # held, as a request in flight holds its charge
+    assert ingress.held.admitted
+    return ingress
+
+
+def send_body(body) -> tuple[int, dict, dict, int]:
+    data = json.dumps(body).encode() if not isinstance(body, bytes) else body
+    return call("POST", "/v1/completions", {"content-type": "application/json", "content-length": str(len(data))},
+                data)
+
+
+@pytest.mark.parametrize("body", [
+    completion(max_tokens=128),  # four blocks
+    {**completion(), "n": 2},
+    {**completion(), "prompt": ["1.3.", "2.4."]},
+    {**completion(max_tokens=128), "temperature": "hot"},  # refused before the body is validated
+])
+def test_a_body_whose_output_bound_cannot_fit_is_refused_below_the_app(body):
+    ingress = near_capacity()
+    status, headers, answer, reads = send_body(body)
+    assert status == 429 and answer["error"]["code"] == "step_capacity_exceeded" and int(headers["retry-after"]) >= 1
+    assert reads == 1 and ingress.rejected["step_capacity"] == 1 and ingress.tokenizer.calls == 0
+
+
+def test_a_chat_body_counts_one_prompt():
+    ingress = near_capacity()
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "1.3."}]}
+    assert call("POST", "/v1/chat/completions", JSON, json.dumps({**chat, "max_tokens": 16}).encode())[0] == 500
+    assert call("POST", "/v1/chat/completions", JSON, json.dumps({**chat, "max_tokens": 128}).encode())[0] == 429
+    assert ingress.rejected["step_capacity"] == 1
+
+
+@pytest.mark.parametrize("body", [
+    completion(max_tokens=16),  # fits
+    {**completion(), "max_tokens": "128"},  # fields the route validates (and may refuse with a 400)
+    {**completion(), "n": 0},
+    {**completion(), "n": 9, "max_tokens": 128},  # more choices than the server answers
+    {**completion(), "prompt": []},
+    {**completion(), "prompt": [{"text": "1.3."}]},
+    {**completion(max_tokens=128), "deadline_s": -1},
+    [completion(max_tokens=128)],
+    b'{"model": "tiny", "max_tokens": 128, "prompt": ',  # not JSON
+])
+def test_a_body_the_check_cannot_read_plainly_reaches_the_app(body):
+    ingress = near_capacity()
+    # outside Serve the route cannot find its replica: a 500 says the app, not the middleware, answered
+    assert send_body(body)[0] == 500 and ingress.rejected["step_capacity"] == 0
+
+
+def test_the_app_gets_the_body_the_middleware_read():
+    """Behind the middleware, the app reads the same messages: a body in pieces, then the
+    client's own next message (its leaving); an unread large body reaches it whole."""
+    near_capacity()
+    got = []
+
+    async def app(scope, receive, send):
+        got.append([await receive() for _ in range(3)])
+
+    pieces = [b'{"model": "tiny", ', b'"prompt": "1.3.", "max_tokens": 16}']
+    large = json.dumps({**completion(), "prompt": "1" * early_answers.PEEK_BODY_BYTES}).encode()
+    for body, headers in [(pieces, [(b"content-type", b"application/json")]),
+                          ([large], [(b"content-length", str(len(large)).encode())])]:
+        queue = [{"type": "http.request", "body": p, "more_body": i < len(body) - 1} for i, p in enumerate(body)]
+        queue.append({"type": "http.disconnect"})
+        queue.append({"type": "http.disconnect"})
+
+        async def receive(queue=queue):
+            return queue.pop(0)
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+        asyncio.run(early_answers.EarlyAnswers(app)(scope, receive, None))
+    assert [m.get("body") for m in got[0]] == pieces + [None] and got[0][2]["type"] == "http.disconnect"
+    assert got[1][0]["body"] == large and got[1][1]["type"] == "http.disconnect"
