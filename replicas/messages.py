@@ -113,17 +113,22 @@ class RequestProblem:
     too_long: bool = False
 
 
+def outside_vocabulary(ids: Sequence[int], vocab_size: int) -> bool:
+    """Whether any of ``ids`` is not a token id of a vocabulary of ``vocab_size``."""
+    return bool(ids) and (min(ids) < 0 or max(ids) >= vocab_size)
+
+
 def request_problem(prompt_ids: Sequence[int], max_tokens: int, spec: ModelSpec, max_model_len: int,
                     pool_pages: int | None = None, suffix_ids: Sequence[int] = ()) -> RequestProblem | None:
     """The first problem of a prompt, output limit and suffix (infilling) for this model, or
     None. ``pool_pages``: the KV pages of the replica's pool, where known."""
     if not prompt_ids:
         return RequestProblem("the prompt is empty")
-    if any(not 0 <= t < spec.vocab_size for t in prompt_ids):
+    if outside_vocabulary(prompt_ids, spec.vocab_size):
         return RequestProblem("the prompt has token ids outside the vocabulary")
     if spec.mask_token_id in prompt_ids:
         return RequestProblem("the prompt contains the mask token id")
-    if any(not 0 <= t < spec.vocab_size for t in suffix_ids) or spec.mask_token_id in suffix_ids:
+    if outside_vocabulary(suffix_ids, spec.vocab_size) or spec.mask_token_id in suffix_ids:
         return RequestProblem("the suffix has token ids outside the vocabulary or the mask token id")
     too_long = length_error(len(prompt_ids), max_tokens, spec.block_length, max_model_len, len(suffix_ids))
     if too_long:
@@ -146,6 +151,6 @@ def resume_problem(resume_ids: Sequence[int], max_tokens: int, spec: ModelSpec,
         return f"{what} of {spec.block_length} tokens"
     if len(resume_ids) >= max_tokens:
         return "resume_ids must be shorter than max_tokens"
-    if any(not 0 <= t < spec.vocab_size for t in resume_ids) or spec.mask_token_id in resume_ids:
+    if outside_vocabulary(resume_ids, spec.vocab_size) or spec.mask_token_id in resume_ids:
         return "resume_ids has token ids outside the vocabulary or the mask token id"
     return None
