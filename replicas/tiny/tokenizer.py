@@ -11,7 +11,7 @@ import json
 import string
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 PAD, BOS, EOS, MASK, UNK = "[PAD]", "[BOS]", "[EOS]", "[MASK]", "[UNK]"
 SPECIAL_TOKENS = (PAD, BOS, EOS, MASK, UNK)
@@ -28,13 +28,15 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer() -> Tokenizer:
-    """Special tokens take ids 0-4 ([PAD], [BOS], [EOS], [MASK], [UNK]), then the characters."""
+    """Special tokens take ids 0-4 ([PAD], [BOS], [EOS], [MASK], [UNK]), then the characters.
+
+    A BPE model without merges splits each whitespace-separated word into its characters
+    (one [UNK] for each character outside the vocabulary): the same ids as a split into
+    single characters before a word-level lookup, at less than half the cost (one
+    pre-token a word instead of one a character)."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS))}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.WhitespaceSplit(),
-        pre_tokenizers.Split(Regex("."), behavior="isolated"),
-    ])
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     return tokenizer
