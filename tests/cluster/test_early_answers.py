@@ -132,7 +132,7 @@ def test_a_body_the_check_cannot_read_plainly_reaches_the_app(body):
 
 def test_the_app_gets_the_body_the_middleware_read():
     """Behind the middleware, the app reads the same messages: a body in pieces, then the
-    client's own next message (its leaving); an unread large body reaches it whole."""
+    client's own next message (its leaving); a large body, unread or read in part, whole."""
     near_capacity()
     got = []
 
@@ -141,8 +141,10 @@ def test_the_app_gets_the_body_the_middleware_read():
 
     pieces = [b'{"model": "tiny", ', b'"prompt": "1.3.", "max_tokens": 16}']
     large = json.dumps({**completion(), "prompt": "1" * early_answers.PEEK_BODY_BYTES}).encode()
+    halves = [large[:len(large) // 2], large[len(large) // 2:]]  # chunked, over the peek's bound
     for body, headers in [(pieces, [(b"content-type", b"application/json")]),
-                          ([large], [(b"content-length", str(len(large)).encode())])]:
+                          ([large], [(b"content-length", str(len(large)).encode())]),
+                          (halves, [(b"content-type", b"application/json")])]:
         queue = [{"type": "http.request", "body": p, "more_body": i < len(body) - 1} for i, p in enumerate(body)]
         queue.append({"type": "http.disconnect"})
         queue.append({"type": "http.disconnect"})
@@ -153,3 +155,4 @@ def test_the_app_gets_the_body_the_middleware_read():
         asyncio.run(early_answers.EarlyAnswers(app)(scope, receive, None))
     assert [m.get("body") for m in got[0]] == pieces + [None] and got[0][2]["type"] == "http.disconnect"
     assert got[1][0]["body"] == large and got[1][1]["type"] == "http.disconnect"
+    assert [m.get("body") for m in got[2]] == halves + [None]
