@@ -104,13 +104,26 @@ def token_probability(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
     return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+_NUMPY_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})  # numpy has no bfloat16
+
+
+def argmax_last(scores: torch.Tensor) -> torch.Tensor:
+    """The index of the maximum along the last dimension (ties: the lowest; a NaN counts as
+    the maximum), as ``torch.argmax``. On the CPU it is numpy's argmax, which gives the
+    same indices two to four times faster than torch's reductions along a last dimension
+    (16 x 32 positions of 85 ids: 32 us against 60 with two threads and 115 with one; of
+    32,000 ids: 7 ms against 15-22); elsewhere ``max``, faster than ``argmax`` there too."""
+    if scores.device.type == "cpu" and scores.dtype in _NUMPY_FLOATS:
+        return torch.from_numpy(scores.numpy().argmax(-1))
+    return scores.max(-1).indices
+
+
 def greedy_tokens(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """Argmax per position over every id but the mask id (ties: lowest id): the maximum of a
-    copy of ``logits`` whose mask column is -inf (a few ops, no read back to the host).
-    ``max`` gives the same first index as ``argmax`` and is faster on CPU."""
+    """Argmax per position over every id but the mask id (ties: lowest id): the argmax of a
+    copy of ``logits`` whose mask column is -inf (a few ops, no read back to an accelerator)."""
     scores = logits.clone()
     scores.select(-1, mask_id).fill_(float("-inf"))
-    return scores.max(-1).indices
+    return argmax_last(scores)
 
 
 def greedy(logits: torch.Tensor, mask_id: int) -> Proposal:
@@ -176,7 +189,7 @@ def gumbel_tokens(
         u = uniform_rows(noise, rows, tuple(logits.shape[1:]), logits.device, torch.float64)
         scores = logits[rows].double() - temperature[rows, None, None] * torch.log(-torch.log(u))
         scores[..., mask_id] = float("-inf")
-        tokens[rows] = scores.argmax(-1)
+        tokens[rows] = argmax_last(scores)
     return tokens
 
 

@@ -5,7 +5,7 @@ import torch
 from algo_helpers import MASK
 
 from algorithms import get_algorithm
-from algorithms.sampling import RowNoise, categorical, greedy, greedy_tokens, gumbel, uniform_rows
+from algorithms.sampling import RowNoise, argmax_last, categorical, greedy, greedy_tokens, gumbel, uniform_rows
 
 PROBS = [0.5, 0.3, 0.2, 0.0]  # token 3 impossible
 DRAWS = 4000
@@ -118,3 +118,20 @@ def test_unseeded_sampling_still_gives_valid_tokens():
     logits = torch.randn(1, 4, 8)
     algorithm.step(logits, block, MASK, [p], [algorithm.init_state(p, 0)])
     assert (block != MASK).sum() >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_last_is_torchs_argmax_with_ties_nan_and_infinities(dtype):
+    """numpy's argmax on the CPU (torch's for bfloat16) gives torch's indices: ties to the
+    lowest, a NaN as the maximum, rows of -inf to 0."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        shape = tuple(torch.randint(1, 12, (2,), generator=generator).tolist()) + (
+            int(torch.randint(2, 90, (1,), generator=generator)),)
+        scores = torch.randint(-2, 3, shape, generator=generator).to(dtype)  # many ties
+        special = torch.rand(shape, generator=generator)
+        scores[special < 0.05] = float("nan")
+        scores[(special > 0.6) & (special < 0.8)] = float("-inf")
+        scores[special > 0.97] = float("inf")
+        scores[0, 0] = float("-inf")
+        assert torch.equal(argmax_last(scores), scores.argmax(-1))

@@ -4,9 +4,11 @@ step should read as little as it can. Counted on CPU through the patched tensor 
 while the engine steps a batch of 16; a new place that reads, or a place that reads more
 often than it does today, fails the test (and says where).
 
-Today a step reads twice, at the 2 places below: once the step's results (the blocks'
-ids and flags, in one read, in ``_denoise_and_commit``), and once the attention layout's
-unit starts, a host tensor (which waits for nothing); never per committed block. The
+Today a step reads three times, at the 3 places below: once the step's results (the
+blocks' ids and flags, in one read, in ``_denoise_and_commit``), once the attention
+layout's unit starts, a host tensor (which waits for nothing), and once the algorithm's
+argmax (``algorithms.sampling.argmax_last``: numpy's, faster, for a CPU tensor only; on
+a device it stays torch's and reads nothing); never per committed block. The
 scheduler's batch and the runner's input building are numpy arrays on the host
 (``replicas.rows``), so they read no tensor at all. Logits, blocks and the algorithms' work stay on the model's device until that one
 read (issue 26: no other wait inside a step; on a GPU the forward is timed by CUDA events,
@@ -25,7 +27,8 @@ from replicas.engine import Engine, EngineConfig
 from replicas.tiny import task
 
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-ONCE_A_STEP = {("replicas/engine.py", "_denoise_and_commit"), ("replicas/attention.py", "__init__")}
+ONCE_A_STEP = {("replicas/engine.py", "_denoise_and_commit"), ("replicas/attention.py", "__init__"),
+               ("algorithms/sampling.py", "argmax_last")}
 ROOT = str(Path(__file__).resolve().parents[2]) + "/"
 
 
