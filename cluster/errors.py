@@ -78,7 +78,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        """Anything else a route raised: a bug of ours, told to the log, not to the client."""
-        request_id = f"req-{uuid.uuid4().hex[:24]}"
-        log.error("request %s (%s %s) failed", request_id, request.method, request.url.path, exc_info=exc)
-        return internal_error(request_id).response()
+        return logged_failure(request.method, request.url.path, exc).response()
+
+
+def logged_failure(method: str, path: str, exc: BaseException) -> APIError:
+    """The 500 for anything else a route raised: a bug of ours, told to the log under a new
+    request id, not to the client."""
+    request_id = f"req-{uuid.uuid4().hex[:24]}"
+    log.error("request %s (%s %s) failed", request_id, method, path, exc_info=exc)
+    return internal_error(request_id)

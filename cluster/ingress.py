@@ -7,8 +7,8 @@ cheapest checks first:
 
 1. auth, draining and Content-Length (401, 503, 413) before the body is read;
 2. admission's bound: 429 without reading the body when even a one-block request would
-   be refused now (``AdmissionController.quick_refusal``). Steps 1-2 read only headers:
-   ``cluster.early_answers`` runs them before FastAPI's machinery;
+   be refused now (``AdmissionController.quick_refusal``). Steps 1-2 read only headers;
+   ``cluster.completion_path`` runs them, and then the route, below FastAPI's machinery;
 3. the body parsed and validated (400, 404), then the bound again for its output blocks;
 4. chat template and tokenization (in a worker thread for long prompts, inline otherwise:
    a short one costs less than the hop to a thread);
@@ -47,13 +47,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from algorithms import AlgorithmError, get_algorithm
-from cluster import early_answers, http_tally, protocol
+from cluster import completion_path, http_tally, protocol
 from cluster.admission import AdmissionController, Charge, Decision
 from cluster.auth import ApiKey, KeyRing, KeySlot, load_keys
 from cluster.choices import merged, rows
 from cluster.config import AppConfig
 from cluster.disconnects import unless_disconnected
-from cluster.errors import APIError, bad_request, install_error_handlers, internal_error, validation_error
+from cluster.errors import (APIError, bad_request, install_error_handlers, internal_error, logged_failure,
+                            validation_error)
 from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.front_door import FrontDoor
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
@@ -73,7 +74,7 @@ log = logging.getLogger(__name__)
 app = FastAPI(title="dllm-serve", description="OpenAI-compatible API for masked diffusion LMs",
               docs_url=None, redoc_url=None, openapi_url=None)
 install_error_handlers(app)
-app.add_middleware(early_answers.EarlyAnswers)  # refusals decided from the headers skip FastAPI
+app.add_middleware(completion_path.CompletionPath)  # the completion routes skip FastAPI's machinery
 app.add_middleware(http_tally.HttpTally)  # outermost: it counts every response, early answers included
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "threshold")
@@ -185,7 +186,7 @@ class Ingress:
             self._ensure_sync_task()
         except RuntimeError:  # no event loop in this thread: the first request starts it
             pass
-        early_answers.answer_for(self)
+        completion_path.serve_for(self)
         # request path 'ingress': this replica serves the API port itself (Serve runs no proxy)
         own_http = self.request_path == "ingress"
         self.front_door = FrontDoor(app, self.config.host, self.config.port) if own_http else None
@@ -272,6 +273,20 @@ class Ingress:
     async def chat_completions(self, request: Request):
         return await self._generate(request, protocol.ChatCompletionRequest, chat=True)
 
+    async def answer(self, scope: dict, receive, send) -> None:
+        """A completion route's answer, called below FastAPI (``cluster.completion_path``):
+        what the route returns, or raises as its error envelope."""
+        request = Request(scope, receive)
+        chat = scope["path"] == completion_path.CHAT_PATH
+        try:
+            response = await self._generate(request, protocol.ChatCompletionRequest if chat
+                                            else protocol.CompletionRequest, chat)
+        except APIError as exc:
+            response = exc.response()
+        except Exception as exc:
+            response = logged_failure(scope["method"], scope["path"], exc).response()
+        await response(scope, receive, send)
+
     # ---- the request path -------------------------------------------------------------------
     async def _generate(self, request: Request, model: type[BaseModel], chat: bool):
         """A completion route: the key and its limit first, then ``_read`` and ``_serve``;
@@ -292,7 +307,7 @@ class Ingress:
     def check_before_body(self, headers: Mapping[str, str]) -> ApiKey | None:
         """The checks a request meets before its body is read, each before the costlier
         ones: key, draining, size, admission's bound; raises APIError, else returns the
-        caller's key. ``cluster.early_answers`` runs them below FastAPI too."""
+        caller's key. ``cluster.completion_path`` runs them below FastAPI too."""
         key = self._authorize(headers.get("authorization"))
         if self.draining:
             raise APIError(503, "the server is shutting down and admits no new requests; retry on another "
@@ -475,7 +490,7 @@ class Ingress:
 
     def check_body(self, body: object, chat: bool) -> None:
         """The refusal of ``_serve``'s first check, from the body as parsed JSON, before it
-        is validated (``cluster.early_answers``); raises APIError. A body whose fields the
+        is validated (``cluster.completion_path``); raises APIError. A body whose fields the
         check reads are not plainly valid passes: the route validates it and says what is
         wrong."""
         if not isinstance(body, dict):

@@ -1,17 +1,18 @@
-"""cluster.early_answers in front of the ingress's real FastAPI app, over ASGI: a request
-its headers refuse is answered below FastAPI with the route's own envelope, before the
-body is read; anything else reaches the app."""
+"""cluster.completion_path in front of the ingress's real FastAPI app, over ASGI: a request
+its headers refuse is answered with the route's own envelope before the body is read, one
+whose output bound cannot fit before the body is validated; the rest by the route's own
+code, called below FastAPI; other paths reach FastAPI."""
 
 import asyncio
 import json
 
 import pytest
 
-from cluster import early_answers
+from cluster import completion_path
 from cluster.auth import API_KEYS_ENV
 from cluster.http_tally import TALLY
 from cluster.ingress import app
-from test_ingress_path import completion, make_ingress, over_capacity
+from test_ingress_path import answer, completion, make_ingress, over_capacity
 
 
 def call(method: str, path: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, dict, dict, int]:
@@ -68,14 +69,15 @@ def test_key_draining_and_size_are_answered_first_in_the_routes_order(monkeypatc
     assert not ingress.rejected  # only admission's refusals are counted as such
 
 
-def test_what_the_headers_do_not_refuse_reaches_the_app():
+def test_other_paths_reach_fastapi_and_completions_are_served_below_it():
     _, ingress = make_ingress()
     status, _, body, _ = call("POST", "/v1/nothing-here", JSON, BODY)
     assert status == 404 and body["error"]["type"] == "not_found_error"  # FastAPI's router answered
-    # an idle cluster admits: the middleware passes the request on (to a route that, outside
-    # Serve, cannot find its replica: what matters is that the app, not the middleware, answered)
+    # outside Serve, FastAPI's route cannot find its ingress (a 500): a 200 is the middleware's
     status, _, body, reads = call("POST", "/v1/completions", JSON, BODY)
-    assert status == 500 and body["error"]["code"] == "internal_error" and ingress.rejected["step_capacity"] == 0
+    assert status == 200 and body["choices"][0]["text"] == "x" and len(ingress.sent) == 1
+    assert reads == 2  # the body, then the watch for the client leaving (this receive never says so)
+    assert ingress.in_flight == 0
 
 
 def near_capacity():
@@ -108,39 +110,61 @@ def test_a_body_whose_output_bound_cannot_fit_is_refused_below_the_app(body):
 def test_a_chat_body_counts_one_prompt():
     ingress = near_capacity()
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "1.3."}]}
-    assert call("POST", "/v1/chat/completions", JSON, json.dumps({**chat, "max_tokens": 16}).encode())[0] == 500
     assert call("POST", "/v1/chat/completions", JSON, json.dumps({**chat, "max_tokens": 128}).encode())[0] == 429
-    assert ingress.rejected["step_capacity"] == 1
+    assert ingress.tokenizer.calls == 0  # four blocks: refused before the body's validation
+    call("POST", "/v1/chat/completions", JSON, json.dumps({**chat, "max_tokens": 16}).encode())
+    assert ingress.tokenizer.calls == 1  # one block: on to the route, which tokenized its prompt
 
 
 @pytest.mark.parametrize("body", [
     completion(max_tokens=16),  # fits
-    {**completion(), "max_tokens": "128"},  # fields the route validates (and may refuse with a 400)
+    completion(max_tokens=128),
+    {**completion(), "max_tokens": "128"},  # fields the check leaves to the route's validation
     {**completion(), "n": 0},
     {**completion(), "n": 9, "max_tokens": 128},  # more choices than the server answers
     {**completion(), "prompt": []},
     {**completion(), "prompt": [{"text": "1.3."}]},
     {**completion(max_tokens=128), "deadline_s": -1},
+    {**completion(), "model": "another"},
     [completion(max_tokens=128)],
     b'{"model": "tiny", "max_tokens": 128, "prompt": ',  # not JSON
 ])
-def test_a_body_the_check_cannot_read_plainly_reaches_the_app(body):
+def test_the_middleware_answers_as_the_route_does(body):
+    """Status and error envelope alike, whether the middleware or FastAPI's route (called
+    directly) answers; only a body the route would refuse for its output bound anyway is
+    refused before its validation."""
+    plain, routed = near_capacity_route()
+    expected = asyncio.run(answer(plain, routed, body))
     ingress = near_capacity()
-    # outside Serve the route cannot find its replica: a 500 says the app, not the middleware, answered
-    assert send_body(body)[0] == 500 and ingress.rejected["step_capacity"] == 0
+    status, _, got, _ = send_body(body)
+    assert (status, got.get("error")) == (expected.status_code, json.loads(expected.body).get("error"))
+    assert ingress.rejected == routed.rejected and len(ingress.sent) == len(routed.sent)
 
 
-def test_the_app_gets_the_body_the_middleware_read():
-    """Behind the middleware, the app reads the same messages: a body in pieces, then the
+def near_capacity_route():
+    plain, ingress = make_ingress(**{"admission.max_step_debt_per_replica": 100})
+    ingress.held = ingress.admission.try_admit(99)
+    return plain, ingress
+
+
+def test_the_route_gets_the_body_the_middleware_read(monkeypatch):
+    """Behind the middleware, the route reads the same messages: a body in pieces, then the
     client's own next message (its leaving); a large body, unread or read in part, whole."""
-    near_capacity()
     got = []
 
-    async def app(scope, receive, send):
-        got.append([await receive() for _ in range(3)])
+    class Routes:
+        def check_before_body(self, headers):
+            pass
+
+        def check_body(self, body, chat):
+            pass
+
+        async def answer(self, scope, receive, send):
+            got.append([await receive() for _ in range(3)])
+    monkeypatch.setattr(completion_path, "_ingress", Routes())
 
     pieces = [b'{"model": "tiny", ', b'"prompt": "1.3.", "max_tokens": 16}']
-    large = json.dumps({**completion(), "prompt": "1" * early_answers.PEEK_BODY_BYTES}).encode()
+    large = json.dumps({**completion(), "prompt": "1" * completion_path.PEEK_BODY_BYTES}).encode()
     halves = [large[:len(large) // 2], large[len(large) // 2:]]  # chunked, over the peek's bound
     for body, headers in [(pieces, [(b"content-type", b"application/json")]),
                           ([large], [(b"content-length", str(len(large)).encode())]),
@@ -152,7 +176,7 @@ def test_the_app_gets_the_body_the_middleware_read():
         async def receive(queue=queue):
             return queue.pop(0)
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
-        asyncio.run(early_answers.EarlyAnswers(app)(scope, receive, None))
+        asyncio.run(completion_path.CompletionPath(None)(scope, receive, None))
     assert [m.get("body") for m in got[0]] == pieces + [None] and got[0][2]["type"] == "http.disconnect"
     assert got[1][0]["body"] == large and got[1][1]["type"] == "http.disconnect"
     assert [m.get("body") for m in got[2]] == halves + [None]

@@ -1,18 +1,17 @@
-"""Answer a completion request that its headers or its output bound already refuse, below FastAPI.
+"""The completion routes below FastAPI: cheap refusals first, then the route itself.
 
 A refusal (wrong key, server draining, body too large, cluster at its step capacity) is
 decided from the headers and admission's state alone, or, under overload, from the few
 body fields that bound the request's output (``max_tokens``, ``n``, the prompts, its
-deadline). Raised from a route, it first goes through FastAPI's routing, parameter
+deadline). A request that passes is answered by the ingress's route code all the same,
+called from here. Through FastAPI, each went first through its routing, parameter
 resolution, the body's validation and the exception handlers: about 0.5 ms of CPU a
-request on the project's 2-core VM, as much again as a plain uvicorn takes to answer
-(request path ``ingress``; behind Serve's own HTTP handling the saving is lost in the
-rest, docs/request-path.md). This pure-ASGI middleware asks the ingress of this process
-(``answer_for``, called by the Ingress when it starts: one per replica process) before any
-of that, and sends the same error envelope itself. It reads a small body to do so and
-hands the app the same messages again. The route runs the same checks again for the
-requests that pass (they are cheap), so it answers alike where the middleware is not in
-front of it.
+refusal on the project's 2-core VM, as much again as a plain uvicorn takes to answer, and
+0.3-0.4 ms a served request (docs/request-path.md). This pure-ASGI middleware asks the
+ingress of this process (``serve_for``, called by the Ingress when it starts: one per
+replica process) and sends its answers itself. It reads a small body to check it and
+hands the route the same messages. FastAPI still declares the routes (the OpenAPI schema,
+and a process whose middleware has no ingress), and answers every other path.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ COMPLETION_PATHS = frozenset({"/v1/completions", CHAT_PATH})
 PEEK_BODY_BYTES = 1 << 16  # larger bodies go to the route unread here (parsing them twice would cost more)
 
 
-class RefusesEarly(Protocol):
+class CompletionRoutes(Protocol):
     def check_before_body(self, headers: Mapping[str, str]) -> None:
         """Raise the APIError a request with these headers gets before its body is read."""
 
@@ -41,19 +40,22 @@ class RefusesEarly(Protocol):
         """Raise the APIError a request with this body (parsed JSON, not validated) gets
         before it is validated."""
 
+    async def answer(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The completion route's answer to the request (every error as its envelope)."""
 
-_ingress: RefusesEarly | None = None  # the ingress of this process
+
+_ingress: CompletionRoutes | None = None  # the ingress of this process
 
 
-def answer_for(ingress: RefusesEarly) -> None:
-    """Make ``ingress`` the one whose checks the middleware runs in this process. (Not a
+def serve_for(ingress: CompletionRoutes) -> None:
+    """Make ``ingress`` the one whose routes the middleware runs in this process. (Not a
     field of the app's state: Serve serves a copy of the app that the Ingress class
     cannot name.)"""
     global _ingress
     _ingress = ingress
 
 
-class EarlyAnswers:
+class CompletionPath:
     """ASGI middleware over the ingress's app (see the module docstring)."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]):
@@ -74,7 +76,8 @@ class EarlyAnswers:
             except APIError as refusal:
                 await refusal.response()(scope, receive, send)
                 return
-            receive = _replaying(read, receive)
+            await ingress.answer(scope, _replaying(read, receive), send)
+            return
         await self.app(scope, receive, send)
 
 
