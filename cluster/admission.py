@@ -29,8 +29,9 @@ How a request is decided:
 * Each replica's ``DrainModel`` (``replicas.cost_model``): a step of b rows takes
   c0 + c1·b seconds, so it drains r(b) = b / (c0 + c1·b) row-steps per second, more at
   a larger batch. The queue runs at b = rows in flight (reported live requests + admitted
-  since + this one) per replica, at most max_batch and at most the largest batch the fit
-  has measured (never extrapolated); R = the sum of the replicas' r(b). A replica that
+  since, or, where more, the requests this ingress admitted and are not done, times the
+  ingress replicas; + this one) per replica, at most max_batch and at most the largest
+  batch the fit has measured (never extrapolated); R = the sum of the replicas' r(b). A replica that
   has not measured a step drains ``admission.initial_row_steps_per_s``.
 * Predicted completion = (D + cost) / R + cost x (c0 + c1·b): the queue ahead and the
   request drain at R, and the request cannot be faster than its own steps one after
@@ -112,6 +113,7 @@ class AdmissionController:
         self._reported_at: float | None = None  # stats_time of the oldest live report
         # charges admitted after the reports (weakly: a dropped charge closes itself)
         self._since_report: weakref.WeakSet[Charge] = weakref.WeakSet()
+        self._open: weakref.WeakSet[Charge] = weakref.WeakSet()  # admitted here, not closed yet
         # releases, after the reports, of charges the reports count: (time, amount)
         self._released_since_report: deque[tuple[float, float]] = deque()
         self._released_since_report_total = 0.0
@@ -177,7 +179,9 @@ class AdmissionController:
         """The replicas' drain models and the batch the queue will run at on each."""
         if self.view:
             models = [DrainModel.from_stats(v) or self._prior for v in self.view.values()]
-            rows = sum(v.live_requests for v in self.view.values()) + len(self._since_report) + 1
+            # as in ``work_ahead``: requests admitted here count where the reports do not show them yet
+            rows = max(sum(v.live_requests for v in self.view.values()) + len(self._since_report),
+                       self.ingress_replicas * len(self._open)) + 1
         else:
             models, rows = [self._prior] * self.min_replicas, 1
         return models, -(-rows // len(models))
@@ -282,9 +286,14 @@ class AdmissionController:
             return decision
         self.outstanding += cost
         charge = Charge(self, cost, decision.predicted_s)
+        self._open.add(charge)
         if self.view:  # without reports, ``outstanding`` is the work ahead
             self._since_report.add(charge)
         return replace(decision, charge=charge)
+
+    def closed(self, charge: "Charge") -> None:
+        """``charge``'s request ended: it is no longer in flight here."""
+        self._open.discard(charge)
 
     def release(self, amount: float, charge: "Charge | None" = None) -> None:
         """``amount`` row-steps of ``charge`` done: they stop counting at once, whether
@@ -322,6 +331,7 @@ class Charge:
 
     def close(self) -> None:
         self.progress(math.inf)
+        self.controller.closed(self)
 
     def answered(self) -> None:
         """The request ended with its answer: its time against its prediction goes to the

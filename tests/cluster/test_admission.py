@@ -320,3 +320,27 @@ def test_the_log_says_why_it_refuses_once_and_then_every_ten_seconds_at_most(cap
     assert "over 0.8 x the SLO 5 s;" in first  # the limit the decision used
     assert "c0 7.00 ms c1 2.000 ms" in first and "from 1 replica report(s)" in first
     assert later.startswith("refusing (4 in the last 10 s): predicted ")
+
+
+def test_requests_in_flight_here_set_the_batch_where_a_report_does_not_show_them_yet():
+    """Twelve requests admitted here, then a report taken before they reached the replica
+    (no live request, no debt): the queue runs at their batch, not at one row. Seen from
+    a fresh cluster, where twelve closed-loop clients were refused at a batch-1 drain rate."""
+    now = [100.0]
+    adm = controller(slo_latency_s=5.0, min_replicas=1, clock=lambda: now[0])
+    adm.update_view({"a": replica(stats_time=99.0)})
+    charges = [admit(adm, 50) for _ in range(12)]
+    assert all(c.admitted for c in charges)
+    now[0] = 100.5
+    adm.update_view({"a": replica(debt=0, live=0, stats_time=100.4)})  # taken after the admissions
+    assert adm.work_ahead() == 12 * 50  # this ingress's own charges: the report does not count them yet
+    assert (12 * 50 + 50) * (C0 + C1) > SLO_HEADROOM * 5.0  # at one row a step, it would be refused
+    assert adm._queue()[1] == 13  # the twelve and the next
+    last = adm.try_admit(50)
+    assert last.admitted
+    for decision in charges:
+        decision.charge.close()
+    adm.update_view({"a": replica(debt=0, live=0, stats_time=101.0)})
+    assert adm._queue()[1] == 2  # the last one is still in flight here, and the next
+    last.charge.close()
+    assert adm._queue()[1] == 1
