@@ -101,12 +101,12 @@ async def _peek(receive: Receive) -> tuple[list[dict], object]:
             break
     try:
         return read, json.loads(b"".join(m.get("body", b"") for m in read))
-    except ValueError:  # not JSON (or not UTF-8): the route says so
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep: the route says so
         return read, None
 
 
 def _replaying(read: list[dict], receive: Receive) -> Receive:
-    """``receive`` for the app: the messages read already, then the client's own."""
+    """``receive`` for the route: the messages read already, then the client's own."""
     if not read:
         return receive
     pending = deque(read)

@@ -128,6 +128,7 @@ def test_a_chat_body_counts_one_prompt():
     {**completion(), "model": "another"},
     [completion(max_tokens=128)],
     b'{"model": "tiny", "max_tokens": 128, "prompt": ',  # not JSON
+    b'{"prompt": ' + b"[" * 20000 + b"]" * 20000 + b"}",  # nested deeper than a parser recurses
 ])
 def test_the_middleware_answers_as_the_route_does(body):
     """Status and error envelope alike, whether the middleware or FastAPI's route (called
