@@ -10,8 +10,9 @@ refusal on the project's 2-core VM, as much again as a plain uvicorn takes to an
 0.3-0.4 ms a served request (docs/request-path.md). This pure-ASGI middleware asks the
 ingress of this process (``serve_for``, called by the Ingress when it starts: one per
 replica process) and sends its answers itself. It reads a small body to check it and
-hands the route the same messages. FastAPI still declares the routes (the OpenAPI schema,
-and a process whose middleware has no ingress), and answers every other path.
+hands the route the same messages; the route does not check the headers again. FastAPI
+still declares the routes (the OpenAPI schema, and a process whose middleware has no
+ingress), and answers every other path.
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ PEEK_BODY_BYTES = 1 << 16  # larger bodies go to the route unread here (parsing 
 
 
 class CompletionRoutes(Protocol):
-    def check_before_body(self, headers: Mapping[str, str]) -> None:
-        """Raise the APIError a request with these headers gets before its body is read."""
+    def check_before_body(self, headers: Mapping[str, str]) -> object:
+        """Raise the APIError a request with these headers gets before its body is read;
+        else return the caller's key (for ``answer``)."""
 
     def check_body(self, body: object, chat: bool) -> None:
         """Raise the APIError a request with this body (parsed JSON, not validated) gets
         before it is validated."""
 
-    async def answer(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The completion route's answer to the request (every error as its envelope)."""
+    async def answer(self, scope: Scope, receive: Receive, send: Send, key: object) -> None:
+        """The completion route's answer to the request (every error as its envelope), its
+        headers checked already (``key``: what ``check_before_body`` returned)."""
 
 
 _ingress: CompletionRoutes | None = None  # the ingress of this process
@@ -68,7 +71,7 @@ class CompletionPath:
             headers = _headers(scope)
             read: list[dict] = []
             try:
-                ingress.check_before_body(headers)
+                key = ingress.check_before_body(headers)
                 if _small_body(headers):
                     read, body = await _peek(receive)
                     if body is not None:
@@ -76,7 +79,7 @@ class CompletionPath:
             except APIError as refusal:
                 await refusal.response()(scope, receive, send)
                 return
-            await ingress.answer(scope, _replaying(read, receive), send)
+            await ingress.answer(scope, _replaying(read, receive), send, key)
             return
         await self.app(scope, receive, send)
 

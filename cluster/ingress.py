@@ -122,18 +122,6 @@ def _positive_int(value: object) -> bool:
     return type(value) is int and 0 < value <= protocol.MAX_INT
 
 
-def _plain_prompt_count(prompt: object) -> int:
-    """How many prompts a completion's unvalidated ``prompt`` holds (as ``protocol.prompt_list``
-    counts them), or 0 where it is of no shape the API takes."""
-    if isinstance(prompt, str):
-        return 1
-    if not isinstance(prompt, list) or not prompt:
-        return 0
-    if all(type(p) is int for p in prompt):
-        return 1
-    return len(prompt) if all(isinstance(p, (str, list)) for p in prompt) else 0
-
-
 def _prompt_chars(body: protocol.SamplingFields) -> int:
     if isinstance(body, protocol.ChatCompletionRequest):
         return sum(len(str(m.content)) for m in body.messages)
@@ -267,20 +255,22 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._generate(request, protocol.CompletionRequest, chat=False)
+        return await self._generate(request, protocol.CompletionRequest, False, self.check_before_body(request.headers))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._generate(request, protocol.ChatCompletionRequest, chat=True)
+        return await self._generate(request, protocol.ChatCompletionRequest, True,
+                                    self.check_before_body(request.headers))
 
-    async def answer(self, scope: dict, receive, send) -> None:
-        """A completion route's answer, called below FastAPI (``cluster.completion_path``):
-        what the route returns, or raises as its error envelope."""
+    async def answer(self, scope: dict, receive, send, key: ApiKey | None) -> None:
+        """A completion route's answer, called below FastAPI (``cluster.completion_path``,
+        which ran ``check_before_body``: ``key`` is what it returned): what the route
+        returns, or raises as its error envelope."""
         request = Request(scope, receive)
         chat = scope["path"] == completion_path.CHAT_PATH
         try:
             response = await self._generate(request, protocol.ChatCompletionRequest if chat
-                                            else protocol.CompletionRequest, chat)
+                                            else protocol.CompletionRequest, chat, key)
         except APIError as exc:
             response = exc.response()
         except Exception as exc:
@@ -288,11 +278,12 @@ class Ingress:
         await response(scope, receive, send)
 
     # ---- the request path -------------------------------------------------------------------
-    async def _generate(self, request: Request, model: type[BaseModel], chat: bool):
-        """A completion route: the key and its limit first, then ``_read`` and ``_serve``;
-        the key's place is held until the response ends."""
+    async def _generate(self, request: Request, model: type[BaseModel], chat: bool, key: ApiKey | None):
+        """A completion route, once ``check_before_body`` passed (``key``: the caller's):
+        the key's limit first, then ``_read`` and ``_serve``; the key's place is held until
+        the response ends."""
         with self._counted():
-            slot = self._key_slot(self.check_before_body(request.headers))
+            slot = self._key_slot(key)
             try:
                 body = await self._read(request, model)
                 if body.stream:  # a stream notices its client leaving by itself
@@ -498,7 +489,7 @@ class Ingress:
         limit = body.get("max_completion_tokens")
         limit = body.get("max_tokens") if limit is None else limit
         n, deadline = body.get("n", 1), body.get("deadline_s")
-        prompts = 1 if chat else _plain_prompt_count(body.get("prompt"))
+        prompts = 1 if chat else protocol.plain_prompt_count(body.get("prompt"))
         if (limit is None or _positive_int(limit)) and _positive_int(n) and prompts \
                 and n * prompts <= self.config.ingress.max_n \
                 and (deadline is None or (type(deadline) in (int, float) and 0 < deadline < math.inf)):

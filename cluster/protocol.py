@@ -176,6 +176,22 @@ class SamplingFields(_UnhonouredFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+def _token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
+def is_prompt_shape(prompt: object) -> bool:
+    """Whether a completion's unvalidated ``prompt`` is of a shape the API takes: text,
+    token ids, or a list of texts or of token-id lists (empty or not)."""
+    return isinstance(prompt, str) or _token_ids(prompt) or (isinstance(prompt, list) and (
+        all(isinstance(p, str) for p in prompt) or all(map(_token_ids, prompt))))
+
+
+def plain_prompt_count(prompt: object) -> int:
+    """How many prompts an unvalidated ``prompt`` holds, or 0 where it is of no shape the API takes."""
+    return len(prompt_list(prompt)) if is_prompt_shape(prompt) else 0
+
+
 def prompt_list(prompt: str | list) -> list[str | list[int]]:
     """A completion's ``prompt`` as its prompts: text, token ids (``[int, ...]``), or a list of either."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -200,11 +216,7 @@ class CompletionRequest(SamplingFields):
     def _one_of_the_prompt_shapes(cls, prompt):
         """One clear error for a prompt of another shape (a number, a mixed list, floats),
         instead of one per branch of the union, named after the branch."""
-        def ids(value) -> bool:
-            return isinstance(value, list) and all(type(t) is int for t in value)
-
-        if not (isinstance(prompt, str) or ids(prompt) or (isinstance(prompt, list) and (
-                all(isinstance(p, str) for p in prompt) or all(map(ids, prompt))))):
+        if not is_prompt_shape(prompt):
             raise ValueError("must be a string, a list of strings, a list of token ids (integers) or a list "
                              "of lists of token ids")
         return prompt

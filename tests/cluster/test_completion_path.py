@@ -160,7 +160,7 @@ def test_the_route_gets_the_body_the_middleware_read(monkeypatch):
         def check_body(self, body, chat):
             pass
 
-        async def answer(self, scope, receive, send):
+        async def answer(self, scope, receive, send, key):
             got.append([await receive() for _ in range(3)])
     monkeypatch.setattr(completion_path, "_ingress", Routes())
 
