@@ -21,7 +21,7 @@ def byte_level_alphabet() -> dict[str, int]:
     """Each character a byte-level pre-tokenizer writes, back to its byte: the printable
     Latin-1 bytes stand for themselves, the other bytes, in order, for U+0100, U+0101, ..."""
     kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    shifted = [b for b in range(256) if b not in set(kept)]
+    shifted = sorted(set(range(256)) - set(kept))
     return {chr(b): b for b in kept} | {chr(0x100 + i): b for i, b in enumerate(shifted)}
 
 
