@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from replicas.engine import Engine
-from replicas.messages import GenerateChunk, SamplingParams, joined
+from replicas.messages import GenerateChunk, SamplingParams
 from replicas.stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -82,34 +82,28 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None, whole: bool = False,
-                       on_block: Callable[[GenerateChunk], None] | None = None) -> AsyncIterator[GenerateChunk]:
+                       on_progress: Callable[[int, int], None] | None = None) -> AsyncIterator[GenerateChunk]:
         """Yield one chunk per committed block; the last one has ``finished=True``.
 
-        ``whole``: yield one chunk, the whole answer (``messages.joined``): the caller's
-        event loop is woken once, not once a block (each wake-up is a thread switch and a
-        loop turn). ``on_block`` then sees each block's chunk in the engine's thread, as it
-        commits: it must be quick and must not raise.
+        ``whole``: yield one chunk, the whole answer (as ``messages.joined`` makes of the
+        blocks' chunks): the caller's event loop is woken once, not once a block (each
+        wake-up is a thread switch and a loop turn). ``on_progress(steps, tokens)`` then
+        sees each block as it commits, in the engine's thread: it must be quick and must
+        not raise.
 
         Raises ``RequestError`` before yielding anything if the request is invalid.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[GenerateChunk] = asyncio.Queue()
-        blocks: list[GenerateChunk] = []
 
         def deliver(output: GenerateChunk) -> None:
-            if whole:
-                if on_block is not None:
-                    on_block(output)
-                blocks.append(output)
-                if not output.finished:
-                    return
-                output = joined(blocks)
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, output)
             except RuntimeError:  # the caller's loop is gone (e.g. the abort after a disconnect)
                 pass
 
-        request_id = self.engine.add_request(prompt, params, request_id, on_output=deliver, whole=whole)
+        request_id = self.engine.add_request(prompt, params, request_id, on_output=deliver, whole=whole,
+                                             on_progress=on_progress)
         self._wake.set()
         finished = False
         try:

@@ -100,17 +100,17 @@ class EngineReplica:
         request_id = request.request_id
         first_block = None
 
-        def progressed(chunk: GenerateChunk) -> None:  # the event loop's thread, or the engine's (whole)
+        def progressed(steps: int, tokens: int) -> None:  # the event loop's thread, or the engine's (whole)
             nonlocal first_block
-            self.monitor.request_progressed(request_id, request.prompt_cost + chunk.steps)
-            if first_block is None and chunk.token_ids:
+            self.monitor.request_progressed(request_id, request.prompt_cost + steps)
+            if first_block is None and tokens:
                 first_block = time.monotonic() - start
 
         try:
             params, level = self._quality_for(request.params)
             cost = request.cost if request.cost is not None else self.worst_case_cost(request.prompt_ids, params)
             stream = self.async_engine.generate(request.prompt_ids, params, request_id, whole=whole,
-                                                on_block=progressed if whole else None)
+                                                on_progress=progressed if whole else None)
         except RequestError as exc:
             yield GenerateChunk.refusal(str(exc))
             return
@@ -118,8 +118,7 @@ class EngineReplica:
         reason, tokens, blocks = FinishReason.ABORT.value, 0, 0
         try:
             async for chunk in stream:
-                if not whole:
-                    progressed(chunk)
+                progressed(chunk.steps, len(chunk.token_ids))  # a whole answer's: its last block's news
                 tokens = chunk.completion_tokens
                 if chunk.finished:
                     reason = chunk.finish_reason

@@ -28,7 +28,7 @@ from replicas.devices import to_device
 from replicas.kv_cache import KVCache, PagePool
 from replicas.logprobs import record_step
 from replicas.models import load_model, load_tokenizer
-from replicas.messages import (INFILL_NEEDS, GenerateChunk, RequestError, SamplingParams, joined, request_problem,
+from replicas.messages import (INFILL_NEEDS, GenerateChunk, RequestError, SamplingParams, request_problem,
                                resume_problem)
 from replicas.output import BlockCommit, OutputProcessor
 from replicas.prefix_cache import PrefixCache
@@ -127,10 +127,13 @@ class Engine:
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                      request_id: str | None = None,
-                     on_output: Callable[[GenerateChunk], None] | None = None, whole: bool = False) -> Request:
+                     on_output: Callable[[GenerateChunk], None] | None = None, whole: bool = False,
+                     on_progress: Callable[[int, int], None] | None = None) -> Request:
         """Validate and build a request (raises RequestError); does not enqueue it. ``whole``:
-        its caller joins the chunks into one answer (``messages.joined``), so without stop
-        strings the text comes once, in the last chunk (``Request.text_at_end``)."""
+        ``on_output`` sees one chunk, the whole answer (as ``messages.joined`` makes of the
+        streamed chunks; without stop strings its text is decoded once, at the end), and
+        ``on_progress(steps, tokens)`` sees each block committed before, in the engine's
+        thread (it must be quick and must not raise)."""
         params = params or SamplingParams()
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         problem = request_problem(prompt_ids, params.max_tokens, self.spec, self.shape.max_model_len, self.pool.capacity,
@@ -153,8 +156,9 @@ class Engine:
             block_length=self.block_length,
             arrival_time=self.clock(),
             on_output=on_output,
+            whole=whole,
+            on_progress=on_progress,
             aligned=self.shape.aligned,
-            text_at_end=whole and not params.stop,
             output_ids=list(params.resume_ids),
             detokenizer=self.outputs.detokenizer(params),
             block_logprobs=None if params.logprobs is None else [None] * self.block_length,
@@ -163,8 +167,9 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None,
-                    on_output: Callable[[GenerateChunk], None] | None = None, whole: bool = False) -> str:
-        request = self.make_request(prompt, params, request_id, on_output, whole)
+                    on_output: Callable[[GenerateChunk], None] | None = None, whole: bool = False,
+                    on_progress: Callable[[int, int], None] | None = None) -> str:
+        request = self.make_request(prompt, params, request_id, on_output, whole, on_progress)
         with self._inbox_lock:
             self._inbox.append(request)
         return request.request_id
@@ -311,8 +316,19 @@ class Engine:
 
     def _emit(self, request: Request, token_ids: list[int] = (), text: str = "", logprobs=None,
               error: str | None = None, error_kind: str | None = None) -> None:
-        """Stream a chunk of the request to its caller: a committed block, or its end."""
+        """Stream a chunk of the request to its caller: a committed block, or its end (a
+        whole answer's blocks are kept for its end, which carries them all)."""
         reason = request.finish_reason
+        if request.whole and error is None:
+            if reason is None:
+                request.answer_text.append(text)
+                request.answer_logprobs.extend(logprobs or ())
+                if request.on_progress is not None:
+                    request.on_progress(request.num_steps, len(token_ids))
+                return
+            token_ids = request.output_ids[len(request.params.resume_ids):]
+            text = "".join(request.answer_text) + text
+            logprobs = request.answer_logprobs + list(logprobs or ())
         request.emit(GenerateChunk(
             text=text, token_ids=list(token_ids), finished=reason is not None,
             finish_reason=None if reason is None else reason.value, error=error, error_kind=error_kind,
@@ -441,9 +457,8 @@ class Engine:
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_step: Callable[[StepStats], None] | None = None) -> list[GenerateChunk]:
-        """Run ``prompts`` to completion as one closed batch; one final chunk per prompt
-        (``messages.joined``: whole text and ids), in order. ``on_step`` sees every step's
-        statistics."""
+        """Run ``prompts`` to completion as one closed batch; one chunk per prompt, its whole
+        answer, in order. ``on_step`` sees every step's statistics."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         chunks: list[list[GenerateChunk]] = [[] for _ in prompts]
@@ -455,4 +470,4 @@ class Engine:
                 time.sleep(min(self.hold_s(), 0.01))
             elif on_step is not None:
                 on_step(stats)
-        return [joined(c) for c in chunks]
+        return [sink[-1] for sink in chunks]

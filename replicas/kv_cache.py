@@ -33,11 +33,12 @@ class PageAllocation:
     def own(self) -> list[int]:
         return self.pages[len(self.shared):]
 
-    def share(self, node: CachedPage) -> None:
-        """The next own page is cached now (``node``, held by this request): shared from here on."""
-        if node.page != self.pages[len(self.shared)]:
-            raise ValueError("a page is shared in sequence order")
-        self.shared.append(node)
+    def share(self, nodes: list[CachedPage]) -> None:
+        """The next own pages are cached now (``nodes``, held by this request): shared from here on."""
+        first = len(self.shared)
+        if [node.page for node in nodes] != self.pages[first:first + len(nodes)]:
+            raise ValueError("pages are shared in sequence order")
+        self.shared.extend(nodes)
 
 
 class PagePool:

@@ -100,15 +100,20 @@ class PrefixCache:
             if node.refs == 0:
                 self._unreferenced[node] = None
 
-    def insert(self, parent: CachedPage | None, tokens: tuple[int, ...], page: int) -> CachedPage | None:
-        """Cache ``page`` (whose KV is written) under ``parent``, held by the request that
-        computed it; None when that key is cached already (the page stays the request's)."""
-        level = self._roots if parent is None else parent.children
-        if tokens in level:
-            return None
-        node = level[tokens] = CachedPage(page, tokens, parent, refs=1)
-        self.num_pages += 1
-        return node
+    def insert(self, parent: CachedPage | None, keys: Sequence[tuple[int, ...]], pages: Sequence[int]) -> list[CachedPage]:
+        """Cache ``pages`` (their KV written), keyed by ``keys``, each under the one before
+        and the first under ``parent``, held by the request that computed them; the chain
+        stops at a key cached already (by another request meanwhile: the pages from there
+        stay the request's). Returns the nodes made, in order."""
+        made, level = [], self._roots if parent is None else parent.children
+        for tokens, page in zip(keys, pages):
+            if tokens in level:
+                break
+            parent = level[tokens] = CachedPage(page, tokens, parent, refs=1)
+            made.append(parent)
+            level = parent.children
+        self.num_pages += len(made)
+        return made
 
     def evict(self) -> int:
         """Drop the least recently released unreferenced leaf; its page, for reuse."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 from algorithms import AlgorithmParams, DllmAlgorithm
@@ -15,6 +14,24 @@ from replicas.logprobs import TokenLogprob
 from replicas.limits import aligned_head, blocks_needed, prompt_pages
 from replicas.messages import GenerateChunk, SamplingParams
 from replicas.kv_cache import PageAllocation
+
+
+class cached_property:  # noqa: N801 (named as the functools one it replaces)
+    """``functools.cached_property`` without the lock Python 3.11's takes on every first
+    read (~5 us, and a request reads eleven of them once each). What it computes depends
+    only on fields that never change, so two threads reading it at once compute the same
+    value."""
+
+    def __init__(self, compute: Callable[[Any], Any]):
+        self.compute = compute
+        self.name = compute.__name__
+        self.__doc__ = compute.__doc__
+
+    def __get__(self, request: Any, owner: type | None = None) -> Any:
+        if request is None:
+            return self
+        value = request.__dict__[self.name] = self.compute(request)  # read from the instance from now on
+        return value
 
 
 class FinishReason(str, enum.Enum):
@@ -37,12 +54,13 @@ class Request:
     block_length: int
     arrival_time: float  # on the engine's clock
     on_output: Callable[[GenerateChunk], None] | None = None
+    # the caller takes one chunk, the whole answer: ``on_output`` sees only that, and
+    # ``on_progress(steps, the block's tokens)`` each block committed before it
+    whole: bool = False
+    on_progress: Callable[[int, int], None] | None = None
     # blocks aligned to the sequence's start (EngineConfig.block_alignment 'prompt'): the
     # first answer block is the one holding the prompt's (or the resumed output's) end
     aligned: bool = False
-    # the caller takes the whole answer at once and no stop string needs its text as it
-    # comes: the text is decoded once, with the block that ends the answer
-    text_at_end: bool = False
     # (the fields above never change: the cached properties below derive from them)
 
     # where the request stands and what it produced: changed by the scheduler only
@@ -66,7 +84,16 @@ class Request:
     detokenizer: Detokenizer | None = None
     # the active block's, when asked: filled in place by each step (``replicas.logprobs``)
     block_logprobs: list[TokenLogprob | None] | None = None
+    # a whole answer's text and log-probabilities of its committed blocks, for its one chunk
+    answer_text: list[str] = field(default_factory=list)
+    answer_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+
+    @cached_property
+    def text_at_end(self) -> bool:
+        """A whole answer that no stop string needs the text of as it comes: its text is
+        decoded once, with the block that ends it."""
+        return self.whole and not self.params.stop
 
     @cached_property
     def prompt_pages(self) -> int:

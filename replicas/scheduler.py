@@ -140,22 +140,22 @@ class Scheduler:
 
     def _cache_pages(self, request: Request, first: int, end: int, block: tuple[int, ...] | None = None) -> None:
         """Cache the request's pages ``first`` to ``end`` (their final KV written: prompt
-        pages, and ``block``, the ids of a committed one on page ``first``, where the answer
+        pages, or ``block``, the ids of a committed one on page ``first``, where the answer
         continues the prompt), each under its page before; a request's chain stops at a gap
         or at a page cached already (by another request meanwhile: its copy stays its own).
         Unaligned after a partial page, an answer starts on a page of its own, which a later
         prompt never continues."""
-        allocation, prefix_pages = request.allocation, request.prefix_pages
-        shared, continues = allocation.shared, request.answer_continues_prompt
-        for index in range(first, end):
-            if len(shared) != index or (index >= prefix_pages and not continues):
-                break
-            parent = shared[-1] if shared else None
-            tokens = request.prefix_keys[index] if index < prefix_pages else block
-            node = self.cache.insert(parent, tokens, allocation.pages[index])
-            if node is None:
-                break
-            allocation.share(node)
+        allocation = request.allocation
+        shared = allocation.shared
+        if len(shared) != first:  # a gap: a page before is not cached (another request's copy)
+            return
+        if first < request.prefix_pages:
+            keys = request.prefix_keys[first:end]
+        elif request.answer_continues_prompt:
+            keys = (block,)
+        else:
+            return
+        allocation.share(self.cache.insert(shared[-1] if shared else None, keys, allocation.pages[first:end]))
 
     def _apply(self, request: Request, commit: BlockCommit) -> None:
         """A done block into the request's output and record."""

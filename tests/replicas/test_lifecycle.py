@@ -156,12 +156,13 @@ def test_async_stream_yields_each_block_before_the_end(make_engine):
     assert all(len(o.token_ids) == 16 for o in outputs)
 
 
-def test_a_whole_answer_wakes_the_caller_once_and_shows_each_block_in_the_engine_thread(make_engine):
-    """``whole``: one chunk, the streamed chunks joined; ``on_block`` sees every block as it
-    commits, in the engine's thread; the caller's loop is handed one item, not one a block."""
+def test_a_whole_answer_wakes_the_caller_once_and_reports_each_block_in_the_engine_thread(make_engine):
+    """``whole``: one chunk, the streamed chunks joined (log-probabilities too); ``on_progress``
+    sees each block before the last as it commits, in the engine's thread; the caller's loop
+    is handed one item, not one a block."""
     engine = make_engine()
     runner = AsyncEngine(engine)
-    params = SamplingParams(max_tokens=64, ignore_eos=True, algorithm_params={"seed": 3})
+    params = SamplingParams(max_tokens=64, ignore_eos=True, logprobs=1, algorithm_params={"seed": 3})
     seen, handed = [], []
 
     async def answers():
@@ -174,8 +175,8 @@ def test_a_whole_answer_wakes_the_caller_once_and_shows_each_block_in_the_engine
             return call_soon_threadsafe(*args)
 
         loop.call_soon_threadsafe = counted
-        whole = [o async for o in runner.generate("abc", params, whole=True,
-                                                  on_block=lambda c: seen.append((threading.current_thread().name, c)))]
+        whole = [o async for o in runner.generate("abc", params, whole=True, on_progress=lambda steps, tokens: seen.append(
+            (threading.current_thread().name, steps, tokens)))]
         return streamed, whole
 
     try:
@@ -183,13 +184,27 @@ def test_a_whole_answer_wakes_the_caller_once_and_shows_each_block_in_the_engine
     finally:
         runner.shutdown()
     assert len(streamed) == 4 and len(whole) == 1 and len(handed) == 1
-    answer = lambda c: (c.text, c.token_ids, c.block_steps, c.finish_reason)  # noqa: E731 (not its timing or cache hits)
-    assert answer(whole[0]) == answer(joined(streamed))
-    block = lambda c: (c.token_ids, c.block_steps, c.finish_reason)  # noqa: E731
-    assert [block(c) for _, c in seen] == [block(c) for c in streamed]
-    # the text comes once, with the last block (no stop string needs it sooner)
-    assert [c.text for _, c in seen] == ["", "", "", joined(streamed).text]
-    assert {name for name, _ in seen} == {"dllm-engine"}
+    answer = lambda c: (c.text, c.token_ids, c.block_steps, c.finish_reason, c.logprobs, c.steps,  # noqa: E731
+                        c.completion_tokens)  # (not its timing or cache hits)
+    assert answer(whole[0]) == answer(joined(streamed)) and len(whole[0].logprobs) == 64
+    assert [(steps, tokens) for _, steps, tokens in seen] == [(c.steps, len(c.token_ids)) for c in streamed[:-1]]
+    assert {name for name, _, _ in seen} == {"dllm-engine"}
+
+
+def test_a_whole_answer_that_ends_early_keeps_the_blocks_it_committed(make_engine):
+    """A whole answer aborted after some blocks: its one chunk carries their ids, as the
+    streamed chunks joined would."""
+    engine = make_engine()
+    chunks = []
+    request_id = engine.add_request("abc", SamplingParams(max_tokens=128, ignore_eos=True), on_output=chunks.append,
+                                    whole=True, on_progress=lambda steps, tokens: engine.abort(request_id) if steps else None)
+    while engine.has_work():
+        engine.step()
+    [chunk] = chunks
+    assert chunk.finished and chunk.finish_reason == "abort"
+    block = engine.block_length
+    assert 0 < len(chunk.token_ids) < 128 and len(chunk.token_ids) % block == 0
+    assert len(chunk.token_ids) == chunk.completion_tokens and len(chunk.block_steps) == len(chunk.token_ids) // block
 
 
 @pytest.mark.parametrize("stop, decodes", [((), "once"), (("never there",), "per block")])

@@ -9,7 +9,7 @@ import pytest
 from replicas.batching import SchedulerMode
 from replicas.kv_cache import PagePool
 from replicas.messages import SamplingParams
-from replicas.prefix_cache import PrefixCache
+from replicas.prefix_cache import CachedPage, PrefixCache
 
 BLOCK = 16  # the random tiny model's block length
 
@@ -17,12 +17,12 @@ BLOCK = 16  # the random tiny model's block length
 # ---- the cache and the pool ---------------------------------------------------------------
 def test_match_is_exact_and_eviction_takes_the_least_recent_unreferenced_leaf():
     cache = PrefixCache()
-    a = cache.insert(None, (1, 2), page=5)  # one request computed a and b
-    b = cache.insert(a, (3, 4), page=6)
-    assert cache.insert(None, (1, 2), page=8) is None  # cached already: the page stays its request's
+    a, b = cache.insert(None, [(1, 2), (3, 4)], [5, 6])  # one request computed a and b
+    assert (a.page, b.page, b.parent, a.refs, b.refs) == (5, 6, a, 1, 1)
+    assert cache.insert(None, [(1, 2), (3, 5)], [8, 9]) == []  # cached already: the pages stay their request's
     assert cache.match([(1, 2), (3, 9)]) == [a]  # another request finds a, holds it and computes c
     cache.acquire([a])
-    c = cache.insert(a, (3, 9), page=7)
+    [c] = cache.insert(a, [(3, 9)], [7])
     assert cache.match([(1, 2), (3, 4), (5, 6)]) == [a, b] and cache.match([(1, 2), (3,)]) == [a]
     assert cache.match([(2, 1)]) == [] and cache.num_unreferenced == 0
     cache.release([a, b])
@@ -50,8 +50,10 @@ def test_the_pool_counts_unreferenced_pages_as_available_and_evicts_when_none_is
     assert pages == taken_first + [page] and first.reserved == 0
     with pytest.raises(RuntimeError):
         pool.next_page(first)
-    node = cache.insert(None, (1,), pages[0])
-    first.share(node)
+    [node] = cache.insert(None, [(1,)], pages[:1])
+    with pytest.raises(ValueError):
+        first.share([CachedPage(pages[1], (2,), None)])  # not its next own page
+    first.share([node])
     assert first.own == pages[1:]
     pool.free(first)  # its own pages go back; the cached one stays, unreferenced
     assert pool.num_available == 3 and cache.num_unreferenced == 1
