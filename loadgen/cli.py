@@ -47,14 +47,15 @@ trace lines: {"timestamp": seconds from the start, "prompt": "...", "max_tokens"
 exit status: 0; 1 when no request completed; 2 on bad input or an unreachable endpoint."""
 
 
-def positive_number(kind):
+def positive_number(kind, zero_ok: bool = False):
+    """An argparse type: a ``kind`` number above 0 (``zero_ok``: or 0)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'0 or more' if zero_ok else 'positive'}, got {text}")
         return value
     return parse
 

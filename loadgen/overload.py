@@ -1,6 +1,7 @@
 """`dllm-serve bench overload`: does a cluster hold its goodput when more arrives than it serves?
 
-First the capacity: a closed loop of --clients concurrent clients for --capacity-duration
+First, on a local cluster, --idle-duration seconds with no request: each process's CPU at
+rest. Then the capacity: a closed loop of --clients concurrent clients for --capacity-duration
 seconds, each sending its next request as soon as its last one ends; its completed requests
 per second are the capacity. Then open-loop Poisson arrivals at each multiple of it in
 --loads (1x, 2x, 3x), --duration seconds each. Per phase: goodput (completed requests within
@@ -15,8 +16,8 @@ forward_cpu_s and step_cpu_s the server reports in GET /health), and this client
 (ray::ServeReplica...Ingress, ray::ProxyActor, ...), that the same raylet started as the
 process listening on the URL's port (HAProxy's: its manager's), so other local clusters do
 not count. CPU per admitted and per refused request: a least-squares fit of each phase's
-CPU to its admitted and refused counts over all phases (the closed loop refuses nothing, the
-overload phases mostly refuse).
+CPU to its admitted and refused counts and its seconds over all phases (the idle phase
+sends nothing, the closed loop refuses nothing, the overload phases mostly refuse).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ PROMPTS = 1000  # distinct tiny-task prompts, cycled
 @dataclass(frozen=True)
 class OverloadPlan:
     clients: int = 12  # closed-loop clients of the capacity phase
+    idle_s: float = 5.0  # seconds with no request first (a local cluster's CPU at rest; 0: none)
     capacity_s: float = 15.0
     loads: tuple[float, ...] = (1.0, 2.0, 3.0)  # multiples of the capacity
     duration_s: float = 20.0  # of Poisson arrivals per load
@@ -225,8 +227,9 @@ def cpu_per_outcome(phases: list[dict]) -> dict[str, dict[str, float]] | None:
     """CPU per admitted and per refused request, and per second whatever the load (timers,
     reports, Serve's own loops), for the control plane, each of its roles, the engines
     outside their forwards and the client: least squares of each phase's CPU on its
-    completed and refused counts and the seconds it was measured over. None without three
-    measured phases whose mixes differ."""
+    completed and refused counts and the seconds it was measured over (the idle phase,
+    with no request, ties the per-second figure to what the processes spend at rest).
+    None without three measured phases whose mixes differ."""
     measured = [p for p in phases if p["cpu_s"]]
     columns = np.array([[p["completed"], p["refused"], p["cpu_window_s"]] for p in measured], dtype=float)
     if len(measured) < 3 or np.linalg.matrix_rank(columns) < 3:
@@ -282,6 +285,15 @@ async def _measured(label: str, offered_rate: float | None, run: Awaitable[list[
     return report
 
 
+IDLE = "idle"  # the phase with no request
+
+
+async def _nothing_for(seconds: float) -> list[Record]:
+    """A phase that sends nothing for ``seconds``."""
+    await asyncio.sleep(seconds)
+    return []
+
+
 def graded_tiny_prompts(seed: int) -> tuple[list[str], Callable[[Record], bool]]:
     """``PROMPTS`` prompts of the tiny model's task, and whether a record's answer is right
     (a record's index picks its prompt: the loops cycle through them)."""
@@ -313,11 +325,14 @@ async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: b
         def progress(label: str, total: int | None) -> Progress | None:
             return None if quiet else Progress(total, f"{label} ")
 
+        phases = []
+        if raylet is not None and plan.idle_s > 0:  # CPU is measured: first at rest
+            phases.append(await _measured(IDLE, None, _nothing_for(plan.idle_s), slo, raylet, http))
         closed = f"closed x{plan.clients}"
-        phases = [await _measured(closed, None, run_closed_loop(prompts, send, plan.clients, plan.capacity_s,
-                                                                progress(closed, None)), slo, raylet, http,
-                                 correct)]
-        capacity = phases[0]["throughput_rps"]
+        phases.append(await _measured(closed, None, run_closed_loop(prompts, send, plan.clients, plan.capacity_s,
+                                                                    progress(closed, None)), slo, raylet, http,
+                                      correct))
+        capacity = phases[-1]["throughput_rps"]
         for load in plan.loads if capacity > 0 else ():
             rate = load * capacity
             arrivals = with_prompts(poisson_times(rate, plan.seed, plan.duration_s), prompts)
@@ -325,7 +340,7 @@ async def bench_overload(endpoint: client.Endpoint, plan: OverloadPlan, quiet: b
             phases.append(await _measured(label, rate, run_open_loop(arrivals, send, progress(label, len(arrivals))),
                                           slo, raylet, http, correct))
     for phase in phases:
-        phase["goodput_over_capacity"] = phase["goodput_rps"] / capacity if capacity > 0 else None
+        phase["goodput_over_capacity"] = phase["goodput_rps"] / capacity if capacity > 0 and phase["sent"] else None
     return {"url": endpoint.url, "model": endpoint.model, "api": endpoint.path, "stream": endpoint.stream,
             "quality": endpoint.extra.get("quality"),
             "slo_latency_s": slo, "server_slo_latency_s": server,
@@ -422,6 +437,11 @@ def add_bench_overload_parser(targets) -> None:
                              "confidence bar when it is behind (default: the server's quality.default)")
     parser.add_argument("--prompt", metavar="TEXT",
                         help="send this prompt every time (default: seeded prompts of the tiny model's task)")
+    parser.add_argument("--idle-duration", type=positive_number(float, zero_ok=True), default=OverloadPlan.idle_s,
+                        metavar="S",
+                        help=f"on a local cluster, seconds with no request before the closed loop: each process's "
+                             f"CPU at rest, which pins the per-second figure of the CPU fit (default "
+                             f"{OverloadPlan.idle_s:g}; 0: none)")
     parser.add_argument("--clients", type=positive_number(int), default=OverloadPlan.clients, metavar="N",
                         help=f"concurrent clients of the closed loop that measures the capacity "
                              f"(default {OverloadPlan.clients})")
@@ -446,8 +466,8 @@ def run_bench_overload(args) -> int:
     def work() -> int:
         extra = {"quality": args.quality} if args.quality else {}
         endpoint = endpoint_from_args(args, timeout_s=args.timeout, stream=args.stream, extra=extra)
-        plan = OverloadPlan(args.clients, args.capacity_duration, tuple(args.loads), args.duration,
-                            args.slo_latency, args.seed, args.prompt)
+        plan = OverloadPlan(args.clients, args.idle_duration, args.capacity_duration, tuple(args.loads),
+                            args.duration, args.slo_latency, args.seed, args.prompt)
         result = asyncio.run(bench_overload(endpoint, plan, args.quiet))
         print(json.dumps(result) if args.json else format_overload(result))
         if result["capacity_rps"] <= 0:

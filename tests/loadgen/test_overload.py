@@ -1,6 +1,7 @@
 """`dllm-serve bench overload` without a cluster: /proc parsing, the per-load report from
 records, a whole run against a mock server, and the command's errors."""
 
+import argparse
 import asyncio
 import json
 import os
@@ -187,22 +188,27 @@ def test_closed_loop_keeps_the_clients_busy_until_the_end():
     assert max(r.sent_s for r in result) < 0.5 <= max(r.end_s for r in result)
 
 
-def mock_server(refuse_every: int = 3, slo: float | None = 2.0):
+def mock_server(refuse_every: int = 3, slo: float | None = 2.0, refuse_over: int | None = None):
     """An async handler: /v1/models, /health (with ``slo``), and completions that take 20 ms
-    (engine 15 ms), every ``refuse_every``-th one refused at once with 429."""
-    count = 0
+    (engine 15 ms), every ``refuse_every``-th one refused at once with 429 (``refuse_over``:
+    instead, those that come while that many are in flight)."""
+    count = in_flight = 0
 
     async def handler(request: httpx.Request) -> httpx.Response:
-        nonlocal count
+        nonlocal count, in_flight
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "tiny"}]})
         if request.url.path == "/health":
             return httpx.Response(200, json={"status": "ok", **({"slo_latency_s": slo} if slo else {})})
         count += 1
-        if count % refuse_every == 0:
+        if (in_flight >= refuse_over) if refuse_over else count % refuse_every == 0:
             return httpx.Response(429, headers={"Retry-After": "1"},
                                   json={"error": {"message": "busy", "type": "rate_limit_error"}})
-        await asyncio.sleep(0.02)
+        in_flight += 1
+        try:
+            await asyncio.sleep(0.02)
+        finally:
+            in_flight -= 1
         events = [{"choices": [{"text": "12"}], "dllm": {"steps": 3, "engine_s": 0.015}},
                   {"choices": [], "usage": {"completion_tokens": 2}}]
         body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
@@ -278,7 +284,7 @@ def test_a_local_cluster_is_measured(monkeypatch):
     monkeypatch.setattr(overload, "serving_raylet", lambda port: RAYLET if port == PORT else None)
     monkeypatch.setattr(overload, "cluster_cpu", lambda raylet: next(snapshots))
     monkeypatch.setattr(overload, "REPORT_SETTLE_S", 0.0)
-    plan = overload.OverloadPlan(clients=1, capacity_s=0.2, loads=(), prompt="1")
+    plan = overload.OverloadPlan(clients=1, idle_s=0, capacity_s=0.2, loads=(), prompt="1")
     result = run_mock(monkeypatch, mock_server(), plan, url=f"http://127.0.0.1:{PORT}")
     (closed,) = result["phases"]
     assert {k: v for k, v in closed["cpu_s"].items() if v and k != overload.CLIENT} == {"ingress": 0.5,
@@ -287,9 +293,49 @@ def test_a_local_cluster_is_measured(monkeypatch):
     assert result["cpu"] == "measured from /proc"
 
 
+def test_a_local_cluster_is_measured_at_rest_first_and_the_fit_uses_it(monkeypatch):
+    """The idle phase sends nothing and measures the processes' CPU at rest; with it, the
+    closed loop and one overload phase are enough to split admitted, refused and per-second CPU."""
+    clock = {"ingress": 0.0}
+    monkeypatch.setattr(overload, "serving_raylet", lambda port: RAYLET if port == PORT else None)
+    monkeypatch.setattr(overload, "cluster_cpu", lambda raylet: {10: ("ingress", clock["ingress"])})
+    monkeypatch.setattr(overload, "REPORT_SETTLE_S", 0.0)
+    measured = overload._measured
+
+    async def ingress_spends(label, offered_rate, run, *args, **kwargs):  # 20 ms/s, 3 ms an ok, 1 ms a 429
+        async def spending():
+            records = await run
+            clock["ingress"] += 0.02 * (1.0 if label == overload.IDLE else 0.5) + sum(
+                0.003 if r.status == OK else 0.001 for r in records)
+            return records
+        report = await measured(label, offered_rate, spending(), *args, **kwargs)
+        report["cpu_window_s"] = 1.0 if label == overload.IDLE else 0.5  # the seconds the CPU above covers
+        return report
+
+    monkeypatch.setattr(overload, "_measured", ingress_spends)
+    plan = overload.OverloadPlan(clients=2, idle_s=0.05, capacity_s=0.3, loads=(3.0,), duration_s=0.3, prompt="1")
+    result = run_mock(monkeypatch, mock_server(refuse_over=2), plan, url=f"http://127.0.0.1:{PORT}")
+    idle, closed, overloaded = result["phases"]
+    assert idle["load"] == "idle" and idle["sent"] == 0 and idle["goodput_over_capacity"] is None
+    assert idle["control_plane_cpu_s_per_request"] is None and idle["cpu_s"]["ingress"] == pytest.approx(0.02)
+    assert result["capacity_rps"] == closed["throughput_rps"] > 0 and overloaded["refused"] > 0
+    assert result["cpu_per_outcome_s"]["ingress"] == pytest.approx(
+        {"admitted": 0.003, "refused": 0.001, "per_second": 0.02})
+    assert "idle" in overload.format_overload(result)
+
+
+def test_idle_duration_zero_skips_the_phase_and_a_negative_one_is_a_usage_error(capsys):
+    parser = argparse.ArgumentParser()
+    overload.add_bench_overload_parser(parser.add_subparsers())
+    assert parser.parse_args(["overload", "--idle-duration", "0"]).idle_duration == 0
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "overload", "--idle-duration", "-1"])
+    assert exit_.value.code == 2 and "argument --idle-duration: must be 0 or more" in capsys.readouterr().err
+
+
 # ---- the command --------------------------------------------------------------------------------
 def test_help_explains_every_option(capsys):
-    assert_help_explains_every_option(capsys, ("bench", "overload"), 13, ("exit status", "goodput", "/proc"))
+    assert_help_explains_every_option(capsys, ("bench", "overload"), 14, ("exit status", "goodput", "/proc"))
 
 
 def test_bad_url_is_a_message_and_exit_2(capsys):
