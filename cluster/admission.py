@@ -17,7 +17,8 @@ How a request is decided:
 
 * Its cost, in row-steps (one row advanced by one step): its most blocks x steps per
   block, the mean (or ``admission.cost_quantile``) of the steps per block the replicas
-  measured, at most the algorithm's worst case (the worst case until measured). It is
+  measured (a replica reports its warm-up's until its first real block commits), at most
+  the algorithm's worst case (the worst case until a replica reports). It is
   also the number of steps the request itself takes, one after another. Plus its
   prompt's pages that no replica is likely to hold cached (the ingress remembers the
   prefixes it sent), each at what a replica measured a prompt page to cost, in row-steps

@@ -7,7 +7,8 @@
   average folded into the rows' (admission charges a prompt's uncached pages at c2);
   the offline fits of the simulator's calibration (per load) are here too;
 * steps per block and blocks per request: counts since start (the replica's one count
-  of steps per block: its monitor reports ``steps_per_block_counts``).
+  of steps per block: its monitor reports ``steps_per_block_counts``; until a real block
+  has committed, the warm-up's counts, ``prior_steps_per_block``).
 
 ``DrainModel`` is what admission, routing and autoscaling predict with: the step cost fit,
 the batch it may be trusted up to, and the drain rate it implies.
@@ -166,6 +167,7 @@ class OnlineCostModel:
         self._fit: tuple[int, tuple[float, float, float]] | None = None  # (steps seen then, (c0, c1, c2))
         self.steps_per_block: Counter = Counter()
         self.blocks_per_request: Counter = Counter()
+        self._prior_steps_per_block: Counter = Counter()  # the warm-up's, until real blocks are counted
 
     def observe_arrival(self, at: float) -> None:
         with self._lock:
@@ -189,14 +191,22 @@ class OnlineCostModel:
                 self._steps.clear()
                 self._fit = None
 
+    def prior_steps_per_block(self, counts: Mapping[int, int]) -> None:
+        """Steps per block to report until a real block commits (the warm-up's blocks: what
+        the model measured on this machine, where the algorithm's worst case is all that is
+        known otherwise)."""
+        with self._lock:
+            self._prior_steps_per_block = Counter(counts)
+
     def observe_finished(self, blocks: int) -> None:
         with self._lock:
             self.blocks_per_request[blocks] += 1
 
     def steps_per_block_counts(self) -> dict[int, int]:
-        """{steps: blocks committed after that many steps} since start (a copy)."""
+        """{steps: blocks committed after that many steps} since start (a copy); before any,
+        the prior (``prior_steps_per_block``)."""
         with self._lock:
-            return dict(self.steps_per_block)
+            return dict(self.steps_per_block or self._prior_steps_per_block)
 
     def arrival_rate(self) -> float:
         """Arrivals per second over the last ``RATE_WINDOW_S`` seconds (arrivals come in

@@ -17,6 +17,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -438,19 +439,28 @@ class Engine:
         pages) keeps its fastest measurements, one sweep's worth: a replica starts while
         the rest of the cluster does, and steps slowed down by the other processes would
         have admission refuse what the replica can serve until real steps replace them.
-        Only the step records stay: the requests' counts and totals are forgotten."""
+        The step records stay, and the blocks' steps stand in for real ones until a real
+        block commits (``OnlineCostModel.prior_steps_per_block``): admission charges a
+        request by them, not by the algorithm's worst case, from the first one. The
+        requests' other counts and the totals are forgotten."""
         params = SamplingParams(max_tokens=self.block_length, ignore_eos=True)
         prompt = [self.spec.eos_token_id]
         self.generate([prompt], params)
         measured: dict[tuple[int, int], list[float]] = {}
+        block_steps: Counter = Counter()
+
+        def observe(stats: StepStats) -> None:
+            measured.setdefault((stats.batch_size, stats.prompt_pages), []).append(stats.step_s)
+            block_steps.update(stats.block_steps)
+
         for _ in range(WARM_UP_SWEEPS):
             for rows in sorted({1, max(1, self.config.max_batch // 2), self.config.max_batch}):
-                self.generate([prompt] * rows, params, on_step=lambda s: measured.setdefault(
-                    (s.batch_size, s.prompt_pages), []).append(s.step_s))
+                self.generate([prompt] * rows, params, on_step=observe)
         self.cost_model.forget()
         for (rows, pages), seconds in measured.items():
             for fastest in sorted(seconds)[:-(-len(seconds) // WARM_UP_SWEEPS)]:
                 self.cost_model.observe_step(rows, fastest, (), pages)
+        self.cost_model.prior_steps_per_block(block_steps)
         self.totals = EngineTotals()
 
     # ---- offline convenience ---------------------------------------------------------

@@ -5,6 +5,8 @@ import time
 import pytest
 
 from replicas.cost_model import RATE_WINDOW_S, REFIT_EVERY_STEPS, DrainModel, OnlineCostModel, mean_steps
+from replicas.engine import WARM_UP_SWEEPS
+from replicas.messages import SamplingParams
 from replicas.monitor import ReplicaMonitor
 from replicas.reports import ReplicaStats
 
@@ -146,3 +148,17 @@ def test_warm_up_keeps_the_fastest_steps_of_its_sweeps(make_engine):
     assert calls == [1] + [1, 2] * 3
     model = engine.cost_model.drain_model()
     assert model.step_s(1) < 0.025 and model.step_s(2) < 0.025  # with the slowed sweep: >= 0.033
+
+
+def test_the_warm_ups_blocks_stand_in_for_real_ones_until_a_real_block_commits(make_engine):
+    """Admission charges a request by the steps per block its replicas report: from the
+    first report on, the warm-up's measured ones rather than the algorithm's worst case."""
+    engine = make_engine(max_batch=2)
+    assert engine.cost_model.steps_per_block_counts() == {}
+    engine.warm_up()
+    prior = engine.cost_model.steps_per_block_counts()
+    assert sum(prior.values()) == WARM_UP_SWEEPS * (1 + 2)  # each sweep: batches of 1 and 2 one-block requests
+    assert engine.cost_model.request_alone_s(4) is not None  # the derived SLO is known before any request
+    engine.generate(["abc"], SamplingParams(max_tokens=2 * engine.block_length, ignore_eos=True))
+    real = engine.cost_model.steps_per_block_counts()
+    assert sum(real.values()) == 2  # the request's two blocks, nothing of the warm-up's
