@@ -100,7 +100,8 @@ class PrefixCache:
             if node.refs == 0:
                 self._unreferenced[node] = None
 
-    def insert(self, parent: CachedPage | None, keys: Sequence[tuple[int, ...]], pages: Sequence[int]) -> list[CachedPage]:
+    def insert(self, parent: CachedPage | None, keys: Sequence[tuple[int, ...]],
+               pages: Sequence[int]) -> list[CachedPage]:
         """Cache ``pages`` (their KV written), keyed by ``keys``, each under the one before
         and the first under ``parent``, held by the request that computed them; the chain
         stops at a key cached already (by another request meanwhile: the pages from there

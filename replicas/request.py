@@ -18,9 +18,9 @@ from replicas.kv_cache import PageAllocation
 
 class cached_property:  # noqa: N801 (named as the functools one it replaces)
     """``functools.cached_property`` without the lock Python 3.11's takes on every first
-    read (~5 us, and a request reads eleven of them once each). What it computes depends
-    only on fields that never change, so two threads reading it at once compute the same
-    value."""
+    read (0.9 against 0.3 us a first read in a loop; a request reads eleven, and the
+    engine's replayed steps took ~50 us less at full batch). What it computes depends only
+    on fields that never change, so two threads reading it at once compute the same value."""
 
     def __init__(self, compute: Callable[[Any], Any]):
         self.compute = compute

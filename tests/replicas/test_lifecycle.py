@@ -175,8 +175,10 @@ def test_a_whole_answer_wakes_the_caller_once_and_reports_each_block_in_the_engi
             return call_soon_threadsafe(*args)
 
         loop.call_soon_threadsafe = counted
-        whole = [o async for o in runner.generate("abc", params, whole=True, on_progress=lambda steps, tokens: seen.append(
-            (threading.current_thread().name, steps, tokens)))]
+        def progressed(steps, tokens):
+            seen.append((threading.current_thread().name, steps, tokens))
+
+        whole = [o async for o in runner.generate("abc", params, whole=True, on_progress=progressed)]
         return streamed, whole
 
     try:
@@ -196,8 +198,12 @@ def test_a_whole_answer_that_ends_early_keeps_the_blocks_it_committed(make_engin
     streamed chunks joined would."""
     engine = make_engine()
     chunks = []
+
+    def abort_after_the_first_block(steps, tokens):
+        engine.abort(request_id)
+
     request_id = engine.add_request("abc", SamplingParams(max_tokens=128, ignore_eos=True), on_output=chunks.append,
-                                    whole=True, on_progress=lambda steps, tokens: engine.abort(request_id) if steps else None)
+                                    whole=True, on_progress=abort_after_the_first_block)
     while engine.has_work():
         engine.step()
     [chunk] = chunks
