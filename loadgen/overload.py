@@ -440,7 +440,7 @@ def add_bench_overload_parser(targets) -> None:
     parser.add_argument("--idle-duration", type=positive_number(float, zero_ok=True), default=OverloadPlan.idle_s,
                         metavar="S",
                         help=f"on a local cluster, seconds with no request before the closed loop: each process's "
-                             f"CPU at rest, which pins the per-second figure of the CPU fit (default "
+                             f"CPU at rest, a row of the CPU fit that measures its per-second figure (default "
                              f"{OverloadPlan.idle_s:g}; 0: none)")
     parser.add_argument("--clients", type=positive_number(int), default=OverloadPlan.clients, metavar="N",
                         help=f"concurrent clients of the closed loop that measures the capacity "
