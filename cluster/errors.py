@@ -9,12 +9,13 @@ under that id.
 from __future__ import annotations
 
 import logging
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.protocol import new_id
 
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,6 @@ def install_error_handlers(app: FastAPI) -> None:
 def logged_failure(method: str, path: str, exc: BaseException) -> APIError:
     """The 500 for anything else a route raised: a bug of ours, told to the log under a new
     request id, not to the client."""
-    request_id = f"req-{uuid.uuid4().hex[:24]}"
+    request_id = new_id("req")
     log.error("request %s (%s %s) failed", request_id, method, path, exc_info=exc)
     return internal_error(request_id)

@@ -255,22 +255,18 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._generate(request, protocol.CompletionRequest, False, self.check_before_body(request.headers))
+        return await self._generate(request, False, self.check_before_body(request.headers))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._generate(request, protocol.ChatCompletionRequest, True,
-                                    self.check_before_body(request.headers))
+        return await self._generate(request, True, self.check_before_body(request.headers))
 
     async def answer(self, scope: dict, receive, send, key: ApiKey | None) -> None:
         """A completion route's answer, called below FastAPI (``cluster.completion_path``,
         which ran ``check_before_body``: ``key`` is what it returned): what the route
         returns, or raises as its error envelope."""
-        request = Request(scope, receive)
-        chat = scope["path"] == completion_path.CHAT_PATH
         try:
-            response = await self._generate(request, protocol.ChatCompletionRequest if chat
-                                            else protocol.CompletionRequest, chat, key)
+            response = await self._generate(Request(scope, receive), scope["path"] == completion_path.CHAT_PATH, key)
         except APIError as exc:
             response = exc.response()
         except Exception as exc:
@@ -278,14 +274,14 @@ class Ingress:
         await response(scope, receive, send)
 
     # ---- the request path -------------------------------------------------------------------
-    async def _generate(self, request: Request, model: type[BaseModel], chat: bool, key: ApiKey | None):
+    async def _generate(self, request: Request, chat: bool, key: ApiKey | None):
         """A completion route, once ``check_before_body`` passed (``key``: the caller's):
         the key's limit first, then ``_read`` and ``_serve``; the key's place is held until
         the response ends."""
         with self._counted():
             slot = self._key_slot(key)
             try:
-                body = await self._read(request, model)
+                body = await self._read(request, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
                 if body.stream:  # a stream notices its client leaving by itself
                     return await self._serve(body, chat, slot)
                 answer = await unless_disconnected(request, self._serve(body, chat, slot))
