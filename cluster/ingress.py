@@ -60,6 +60,7 @@ from cluster.front_door import FrontDoor
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from cluster.request_path import logs_to_stderr_in_this_process, path_in_this_process
 from cluster.router import PrefixMemory
+from replicas.heap import settle_after_start_up
 from replicas.limits import aligned_head, blocks_needed, prompt_pages, room_for_output
 from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, SamplingParams, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
@@ -178,6 +179,7 @@ class Ingress:
         # request path 'ingress': this replica serves the API port itself (Serve runs no proxy)
         own_http = self.request_path == "ingress"
         self.front_door = FrontDoor(app, self.config.host, self.config.port) if own_http else None
+        settle_after_start_up()
 
     async def check_health(self) -> None:
         """Serve's health check: where this replica serves HTTP itself, its server must be up."""

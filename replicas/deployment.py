@@ -21,6 +21,7 @@ import torch
 
 from replicas.async_engine import AsyncEngine
 from replicas.engine import Engine
+from replicas.heap import settle_after_start_up
 from replicas.limits import aligned_head, request_cost
 from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams
 from replicas.monitor import ReplicaMonitor
@@ -59,6 +60,7 @@ class EngineReplica:
         self._reporter = threading.Thread(target=self._report_loop, args=(stats_period_s,),
                                           name="dllm-stats", daemon=True)
         self._reporter.start()
+        settle_after_start_up()
 
     @staticmethod
     def _replica_tag() -> str:

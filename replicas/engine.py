@@ -113,8 +113,9 @@ class Engine:
         return cls(net, load_tokenizer(model), config, name=name)
 
     # ---- requests ---------------------------------------------------------------
-    def encode(self, prompt: str) -> list[int]:
-        """Tokenize user text; special-token strings in it stay text (never a mask)."""
+    def encode(self, prompt: str | list[str]) -> list[int] | list[list[int]]:
+        """Tokenize user text (a list: each text, in one call of the tokenizer, about half
+        the time of a call each); special-token strings in it stay text (never a mask)."""
         return self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def algorithm_for(self, params: SamplingParams) -> tuple[DllmAlgorithm, AlgorithmParams]:
@@ -471,6 +472,9 @@ class Engine:
         answer, in order. ``on_step`` sees every step's statistics."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        encoded = iter(self.encode(texts) if texts else ())
+        prompts = [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]
         chunks: list[list[GenerateChunk]] = [[] for _ in prompts]
         for prompt, p, sink in zip(prompts, params, chunks):
             self.add_request(prompt, p, on_output=sink.append, whole=True)

@@ -14,6 +14,7 @@ from loadgen.bench.evaluation import score, tiny_params
 from loadgen.bench.replayed_forward import RecordedForward, ReplayDiverged
 from replicas.cost_model import fit_step_cost
 from replicas.engine import Engine, EngineConfig
+from replicas.heap import settle_after_start_up
 from replicas.models import load_model, load_tokenizer
 from replicas.tiny import task
 
@@ -54,6 +55,8 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     and each ratio is the median of its per-round values, reported with their spread
     (max - min): a machine whose speed drifts during the run moves a whole round alike.
     A closed batch has no arrivals to wait for, so fdfo does not hold steps for them.
+    Once the model is loaded the process's heap is settled as a serving replica's is
+    (``replicas.heap``: a process-wide ``gc.freeze``), so no full collection lands in a run.
 
     ``replayed_host_ms_per_step_p50_at_full_batch``: fdfo's host time per step at full
     batch when its recorded logits are replayed instead of running the forward
@@ -74,6 +77,7 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     requests = task.make_requests(num_requests, BENCH_SEED, blank_weights=WORKLOADS[workload])
     prompts = [r.prompt for r in requests]
     net, tokenizer = load_model(model), load_tokenizer(model)
+    settle_after_start_up()  # as a serving replica does: no full collection traverses start-up's objects
     params = tiny_params()
     configs = {mode: EngineConfig(mode=mode, max_batch=max_batch, fdfo_fill_hold=False) for mode in BENCH_MODES}
     configs[SEPARATE_KV] = EngineConfig(max_batch=max_batch, fdfo_fill_hold=False, fused_commit=False)

@@ -57,6 +57,20 @@ def test_modes_are_byte_identical_at_batch_1(tiny, case):
     assert steps["fdfo, separate KV write"] - steps["fdfo"] == saved
 
 
+def test_generate_tokenizes_its_texts_in_one_call_as_each_alone(tiny):
+    """``generate`` encodes its text prompts in one tokenizer call: the same ids as a call
+    each, with Chinese, emoji, special-token look-alikes and empty text among them, and id
+    prompts beside them kept as they are."""
+    engine = Engine(*tiny, EngineConfig(max_batch=4))
+    texts = [r.prompt for r in task.make_requests(6, 3)] + ["你好，世界 🌍🚀", "<|mask|> [MASK] <eos>", "", " a  b "]
+    assert engine.encode(texts) == [engine.encode(text) for text in texts]
+    params = SamplingParams(max_tokens=engine.block_length, ignore_eos=True)
+    ids = engine.encode(texts[0])
+    outputs = engine.generate([texts[1], ids, texts[5]], params)
+    assert [o.prompt_tokens for o in outputs] == [len(engine.encode(texts[1])), len(ids), len(engine.encode(texts[5]))]
+    assert outputs[1].token_ids == engine.generate([texts[0]], params)[0].token_ids
+
+
 @pytest.mark.bench
 def test_accuracy_in_both_modes_at_batch_1_and_16():
     """At least 90 % of 100 held-out requests right in either mode and batch size, and the
