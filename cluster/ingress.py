@@ -67,6 +67,7 @@ from replicas.models import load_model_spec, load_tokenizer
 from replicas.prefix_cache import page_hashes
 from replicas.reports import IngressReport, stale_after_s
 from replicas.settings import ServingShape, resolve_algorithm
+from replicas.text_encoding import text_encoder
 from replicas.token_bytes import token_bytes
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ class Ingress:
         self.replicas_unary = replicas.options(stream=False, _by_reference=by_reference)
         self.keys = KeyRing(load_keys(self.config.api_key_file))  # read here, never passed in the arguments
         self.tokenizer = load_tokenizer(self.config.model)
+        self.encode = text_encoder(self.tokenizer)
         raw = token_bytes(self.tokenizer)
         self._piece = functools.lru_cache(maxsize=1 << 16)(
             lambda token: protocol.Piece(self.tokenizer.decode([token]), raw(token)))
@@ -377,7 +379,7 @@ class Ingress:
         if isinstance(prompt, str):
             # a rendered chat's markers are the template's special tokens, recognized as the model's own
             # apply_chat_template does; a completion's text stays text, special-token look-alikes included
-            prompt_ids = self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=not chat)["input_ids"]
+            prompt_ids = self.encode(prompt, not chat)
         else:
             prompt_ids = prompt
         suffix_ids = self._suffix_ids(body)
@@ -440,7 +442,7 @@ class Ingress:
         if self.shape.canvas != "full":
             raise bad_request(f"{INFILL_NEEDS}; this model is {'bidirectional on the block canvas' if self.spec.bidirectional else 'block-causal'}",
                               param="suffix")
-        return tuple(self.tokenizer(suffix, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return tuple(self.encode(suffix, True))
 
     def _algorithm(self, body: protocol.SamplingFields) -> tuple[str, dict]:
         """The request's algorithm and parameters: its sampling fields and algorithm_params

@@ -41,6 +41,7 @@ from replicas.runner import ModelRunner
 from replicas.scheduler import Scheduler
 from replicas.settings import EngineConfig, ServingShape, resolve_algorithm
 from replicas.stats import EngineTotals, StepStats
+from replicas.text_encoding import text_encoder
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class Engine:
         spec = model.spec
         self.spec = spec
         self.tokenizer = tokenizer
+        self._encode = text_encoder(tokenizer)
         self.block_length = size = spec.block_length
         self.shape = shape = ServingShape.of(config, spec)
         default_name, default_params = resolve_algorithm(config, spec)
@@ -116,7 +118,7 @@ class Engine:
     def encode(self, prompt: str | list[str]) -> list[int] | list[list[int]]:
         """Tokenize user text (a list: each text, in one call of the tokenizer, about half
         the time of a call each); special-token strings in it stay text (never a mask)."""
-        return self.tokenizer(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return self._encode(prompt, True)
 
     def algorithm_for(self, params: SamplingParams) -> tuple[DllmAlgorithm, AlgorithmParams]:
         """The request's algorithm and its parameters (raises RequestError)."""
