@@ -20,15 +20,16 @@ PROMPT = "1.3. ..2. 4... .1.4 "
 
 
 class CountingTokenizer:
-    """The real tokenizer, counting calls and the threads they come from."""
+    """The real tokenizer and the ingress's encoder of it (``replicas.text_encoding``),
+    counting the encodes and the threads they come from."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.calls, self.threads = tokenizer, 0, []
+    def __init__(self, tokenizer, encode):
+        self.tokenizer, self._encode, self.calls, self.threads = tokenizer, encode, 0, []
 
-    def __call__(self, *args, **kwargs):
+    def encode(self, *args, **kwargs):
         self.calls += 1
         self.threads.append(threading.get_ident())
-        return self.tokenizer(*args, **kwargs)
+        return self._encode(*args, **kwargs)
 
     def apply_chat_template(self, *args, **kwargs):
         self.threads.append(threading.get_ident())
@@ -60,7 +61,8 @@ def make_ingress(**settings):
     handle = types.SimpleNamespace(options=lambda **_: replicas)
     instance = plain.__new__(plain)
     plain.__init__(instance, handle, load_config(overrides=settings).model_dump(mode="json"))
-    instance.tokenizer = CountingTokenizer(instance.tokenizer)
+    instance.tokenizer = CountingTokenizer(instance.tokenizer, instance.encode)
+    instance.encode = instance.tokenizer.encode
     instance._metrics = MetricsActor()  # never ray.get_actor, which would start Ray
     instance.sent = replicas.jobs  # what reached the replicas
     return plain, instance
