@@ -25,7 +25,7 @@ def text_encoder(tokenizer) -> Callable[[str | list[str], bool], list[int] | lis
     backends = {split: _settled_copy(backend, split) for split in (False, True)}
 
     def encode(texts, split_special_tokens):
-        settled = backends[bool(split_special_tokens)]
+        settled = backends[split_special_tokens]
         if isinstance(texts, str):
             return settled.encode(texts, add_special_tokens=False).ids
         return [encoding.ids for encoding in settled.encode_batch_fast(texts, add_special_tokens=False)]
@@ -52,7 +52,7 @@ def _plain_fast_backend(tokenizer):
     from transformers import PreTrainedTokenizerFast
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-    backend = getattr(tokenizer, "_tokenizer", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # as ``replicas.output.text_decoder`` reads it
     kind = type(tokenizer)
     plain = (isinstance(tokenizer, PreTrainedTokenizerFast) and isinstance(backend, Tokenizer)
              and hasattr(backend, "encode_batch_fast")
