@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
+import torch
+
 from replicas.engine import Engine
 from replicas.messages import GenerateChunk, SamplingParams
 from replicas.stats import StepStats
@@ -35,6 +37,10 @@ class AsyncEngine:
         self._thread.start()
 
     def _loop(self) -> None:
+        with torch.inference_mode():  # once for the thread's steps (see ``Engine.step``)
+            self._step_until_stopped()
+
+    def _step_until_stopped(self) -> None:
         engine = self.engine
         previous_end = None  # when the previous step ended, unless the loop waited since
         while not self._stop.is_set():

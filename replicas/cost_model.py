@@ -178,7 +178,9 @@ class OnlineCostModel:
         with self._lock:
             self._steps.append((rows, prompt_pages, seconds))
             self._steps_seen += 1
-            self.steps_per_block.update(block_steps)
+            counts = self.steps_per_block
+            for steps in block_steps:  # not Counter.update: 12 against 8 us a step after a forward
+                counts[steps] += 1
 
     def forget(self, steps: bool = True) -> None:
         """Drop the counts (a warm-up's requests say nothing of real ones), and the step

@@ -3,6 +3,7 @@ interleaved in rounds, each measured against its own zero-overhead ideal."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from replicas.cost_model import fit_step_cost
 from replicas.engine import Engine, EngineConfig
 from replicas.heap import settle_after_start_up
 from replicas.models import load_model, load_tokenizer
+from replicas.text_encoding import text_encoder
 from replicas.tiny import task
 
 BENCH_SEED = 7
@@ -26,9 +28,12 @@ WORKLOADS = {"default": None, "hard": np.array([0] * 8 + [1] * 5, dtype=float)}
 REPLAYS = 3  # replays of the recorded fdfo run (``replayed_host_ms_per_step_p50_at_full_batch``)
 
 
-def run_closed_batch(engine: Engine, prompts: list[str], params) -> tuple[list, list, float]:
-    """Submit everything at once, step until done; returns outputs, step stats, wall seconds."""
+def run_closed_batch(engine: Engine, prompts: list, params) -> tuple[list, list, float]:
+    """Submit everything at once, step until done; returns outputs, step stats, wall seconds.
+    An earlier run's engine is cyclic garbage: it is collected before the clock starts, not
+    in the middle of this run."""
     steps = []
+    gc.collect()
     start = time.perf_counter()
     outputs = engine.generate(prompts, params, on_step=steps.append)
     return outputs, steps, time.perf_counter() - start
@@ -58,6 +63,9 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     Once the model is loaded the process's heap is settled as a serving replica's is
     (``replicas.heap``: a process-wide ``gc.freeze``), so no full collection lands in a run.
 
+    The engine gets the prompts as token ids, as a replica gets them from the ingress.
+    ``compute_ratio``: fdfo's forward seconds over its wall seconds (median over rounds).
+
     ``replayed_host_ms_per_step_p50_at_full_batch``: fdfo's host time per step at full
     batch when its recorded logits are replayed instead of running the forward
     (``loadgen.bench.replayed_forward``): the host time with the forward off the host's
@@ -75,8 +83,9 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {sorted(WORKLOADS)}")
     requests = task.make_requests(num_requests, BENCH_SEED, blank_weights=WORKLOADS[workload])
-    prompts = [r.prompt for r in requests]
     net, tokenizer = load_model(model), load_tokenizer(model)
+    # token ids, as a replica gets them from the ingress: tokenizing is not the engine's work
+    prompts = text_encoder(tokenizer)([r.prompt for r in requests], True)
     settle_after_start_up()  # as a serving replica does: no full collection traverses start-up's objects
     params = tiny_params()
     configs = {mode: EngineConfig(mode=mode, max_batch=max_batch, fdfo_fill_hold=False) for mode in BENCH_MODES}

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from exploding_algorithm import NAME as EXPLODING, register_exploding
 from failing_call import failing_on_call
@@ -288,3 +289,33 @@ def test_the_token_budget_is_a_bound(make_engine):
         if stats is not None:
             fed.append(stats.num_tokens)
     assert fed and max(fed) <= 128
+
+
+def test_every_step_runs_in_inference_mode_however_it_is_called(make_engine, monkeypatch):
+    """``Engine.step`` enters ``torch.inference_mode`` itself when its caller has not; the
+    loops that step many times (``generate``, the async engine's thread) enter it once."""
+    engine = make_engine()
+    modes = []
+    forward = engine.runner.forward
+
+    def recorded(batch):
+        modes.append((threading.current_thread().name, torch.is_inference_mode_enabled()))
+        return forward(batch)
+    monkeypatch.setattr(engine.runner, "forward", recorded)
+
+    engine.add_request("abc", SamplingParams(max_tokens=32, ignore_eos=True))
+    assert not torch.is_inference_mode_enabled()
+    while engine.has_work():
+        engine.step()
+    engine.generate(["abc"], SamplingParams(max_tokens=32, ignore_eos=True))
+    runner = AsyncEngine(engine)
+
+    async def collect():
+        return [o async for o in runner.generate("abc", SamplingParams(max_tokens=32, ignore_eos=True))]
+    try:
+        asyncio.run(collect())
+    finally:
+        runner.shutdown()
+    assert {thread for thread, _ in modes} == {threading.current_thread().name, "dllm-engine"}
+    assert len(modes) >= 3 and all(enabled for _, enabled in modes)
+    assert not torch.is_inference_mode_enabled()
