@@ -12,6 +12,7 @@ start of every step). ``replicas.async_engine`` runs it in a thread for asyncio 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -21,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARM_UP_SWEEPS = 3  # ``Engine.warm_up``: its step measurements keep the fastest of this many
+ALGORITHM_CHOICES_KEPT = 64  # ``Engine.algorithm_for``: distinct (algorithm, parameters) choices kept validated
+KEPT_VALUE_TYPES = frozenset({int, float, str, bool, type(None)})  # parameter values such a choice may hold
 
 
 class InjectedFault(RuntimeError):
@@ -106,6 +110,7 @@ class Engine:
         self._arrivals = itertools.count()  # breaks deadline ties in the heap
         self.failed_steps_in_a_row = 0
         self._faults_to_inject = 0
+        self._kept_algorithm = functools.lru_cache(maxsize=ALGORITHM_CHOICES_KEPT)(self._resolve_kept_algorithm)
 
     @classmethod
     def from_pretrained(cls, model: str = "tiny", config: EngineConfig | None = None, name: str = "local") -> "Engine":
@@ -121,8 +126,20 @@ class Engine:
         return self._encode(prompt, True)
 
     def algorithm_for(self, params: SamplingParams) -> tuple[DllmAlgorithm, AlgorithmParams]:
-        """The request's algorithm and its parameters (raises RequestError)."""
-        name, overrides = resolve_algorithm(self.config, self.spec, params.algorithm, params.algorithm_params)
+        """The request's algorithm and its parameters (raises RequestError). Requests that
+        ask alike share one (frozen) parameters object: validating it is a third of the
+        cost of making a request, so the last ``ALGORITHM_CHOICES_KEPT`` choices are kept."""
+        overrides = params.algorithm_params
+        if not all(type(value) in KEPT_VALUE_TYPES for value in (params.algorithm, *overrides.values())):
+            return self._resolve_algorithm(params.algorithm, overrides)
+        # keyed by type too: 1, 1.0 and True are equal keys, and a bool is refused where an int is not
+        return self._kept_algorithm(params.algorithm, tuple((key, type(value), value) for key, value in overrides.items()))
+
+    def _resolve_kept_algorithm(self, name: str | None, overrides: tuple) -> tuple[DllmAlgorithm, AlgorithmParams]:
+        return self._resolve_algorithm(name, {key: value for key, _, value in overrides})
+
+    def _resolve_algorithm(self, name: str | None, overrides: dict) -> tuple[DllmAlgorithm, AlgorithmParams]:
+        name, overrides = resolve_algorithm(self.config, self.spec, name, overrides)
         try:
             algorithm = get_algorithm(name)
             return algorithm, algorithm.make_params(overrides)
@@ -240,6 +257,10 @@ class Engine:
         if self._faults_to_inject:
             self._faults_to_inject -= self._faults_to_inject > 0
             raise InjectedFault("a fault injected by inject_faults")
+        # the stepped blocks as the forward sees them, read on the host before it (6 against
+        # 49 us after it, where the first host work pays for the caches the forward evicted)
+        fed = self.rows.blocks(*batch.stepped_blocks)
+        kv_stale = (fed == self.spec.mask_token_id).any(-1).tolist()  # fed with masks: final KV still to write
         forward_cpu = time.thread_time()
         try:
             logits, forward_timer = self.runner.forward(batch)
@@ -249,7 +270,7 @@ class Engine:
             for request in self.scheduler.scheduled:
                 self._fail(request, f"model forward failed: {exc}", replica_fault=True)
             return None
-        committed = self._denoise_and_commit(batch, logits)
+        committed = self._denoise_and_commit(batch, logits, fed, kv_stale)
         stats = StepStats(
             batch_size=batch.num_rows,
             active_rows=len(self.scheduler.stepped),
@@ -269,8 +290,10 @@ class Engine:
         self.cost_model.observe_step(stats.batch_size, stats.step_s, stats.block_steps, stats.prompt_pages)
         return stats
 
-    def _denoise_and_commit(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int]:
-        """Advance the stepped blocks with their algorithms, commit the done ones, hand the
+    def _denoise_and_commit(self, batch: ScheduledBatch, logits: torch.Tensor, fed: np.ndarray,
+                            kv_stale: list[bool]) -> list[int]:
+        """Advance the stepped blocks (``fed``: as the forward saw them, on the host;
+        ``kv_stale``: which had masks) with their algorithms, commit the done ones, hand the
         outcome to the scheduler and stream it; return the committed blocks' step counts."""
         requests = self.scheduler.stepped
         if not requests:  # prompt chunks only
@@ -279,9 +302,7 @@ class Engine:
         if len(requests) < batch.advances.size:  # idle rows (sync, static) computed but not advanced
             logits = logits[to_device(torch.from_numpy(batch.advances), logits.device)]
         rows, page_indices = batch.stepped_blocks
-        fed = self.rows.blocks(rows, page_indices)  # the blocks as fed to the forward (host)
         mask_id = self.spec.mask_token_id
-        kv_stale = (fed == mask_id).any(-1).tolist()  # fed with masks: their final KV is still to write
         fed_unmasked = [not stale for stale in kv_stale]
         blocks = to_device(torch.from_numpy(fed), logits.device)  # may share ``fed``'s memory: read above
         asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]

@@ -63,6 +63,21 @@ def test_invalid_requests_are_refused(make_engine, prompt, params, message):
     assert_pool_full(engine)
 
 
+def test_requests_asking_alike_share_validated_parameters_and_bad_ones_stay_refused(make_engine):
+    """``Engine.algorithm_for`` keeps validated choices: a repeated one is not validated
+    again, and a value equal to a kept one but of another type (True == 1) or one that
+    cannot be kept (a list) is still judged on its own."""
+    engine = make_engine()
+    first = engine.make_request("abc", SamplingParams(algorithm="low_confidence", algorithm_params={"top_k": 1}))
+    again = engine.make_request("abc", SamplingParams(algorithm="low_confidence", algorithm_params={"top_k": 1}))
+    assert first.algorithm_params is again.algorithm_params and first.algorithm_params.top_k == 1
+    for value in (True, 1.0, [1]):
+        with pytest.raises(RequestError, match="top_k must be an integer"):
+            engine.make_request("abc", SamplingParams(algorithm="low_confidence", algorithm_params={"top_k": value}))
+    other = engine.make_request("abc", SamplingParams(algorithm="low_confidence", algorithm_params={"top_k": 2}))
+    assert other.algorithm_params.top_k == 2
+
+
 def test_bad_sampling_params():
     with pytest.raises(RequestError):
         SamplingParams(max_tokens=0)
