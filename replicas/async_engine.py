@@ -36,11 +36,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="dllm-engine", daemon=True)
         self._thread.start()
 
+    @torch.inference_mode()  # entered once for all the thread's steps (see ``Engine.step``)
     def _loop(self) -> None:
-        with torch.inference_mode():  # once for the thread's steps (see ``Engine.step``)
-            self._step_until_stopped()
-
-    def _step_until_stopped(self) -> None:
         engine = self.engine
         previous_end = None  # when the previous step ended, unless the loop waited since
         while not self._stop.is_set():

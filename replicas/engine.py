@@ -110,7 +110,7 @@ class Engine:
         self._arrivals = itertools.count()  # breaks deadline ties in the heap
         self.failed_steps_in_a_row = 0
         self._faults_to_inject = 0
-        self._kept_algorithm = functools.lru_cache(maxsize=ALGORITHM_CHOICES_KEPT)(self._resolve_kept_algorithm)
+        self._kept_algorithm = functools.lru_cache(maxsize=ALGORITHM_CHOICES_KEPT)(self._resolve_algorithm)
 
     @classmethod
     def from_pretrained(cls, model: str = "tiny", config: EngineConfig | None = None, name: str = "local") -> "Engine":
@@ -129,17 +129,15 @@ class Engine:
         """The request's algorithm and its parameters (raises RequestError). Requests that
         ask alike share one (frozen) parameters object: validating it is a third of the
         cost of making a request, so the last ``ALGORITHM_CHOICES_KEPT`` choices are kept."""
-        overrides = params.algorithm_params
-        if not all(type(value) in KEPT_VALUE_TYPES for value in (params.algorithm, *overrides.values())):
-            return self._resolve_algorithm(params.algorithm, overrides)
         # keyed by type too: 1, 1.0 and True are equal keys, and a bool is refused where an int is not
-        return self._kept_algorithm(params.algorithm, tuple((key, type(value), value) for key, value in overrides.items()))
+        overrides = tuple((key, type(value), value) for key, value in params.algorithm_params.items())
+        keepable = type(params.algorithm) in KEPT_VALUE_TYPES and all(
+            kind in KEPT_VALUE_TYPES for _, kind, _ in overrides)
+        return (self._kept_algorithm if keepable else self._resolve_algorithm)(params.algorithm, overrides)
 
-    def _resolve_kept_algorithm(self, name: str | None, overrides: tuple) -> tuple[DllmAlgorithm, AlgorithmParams]:
-        return self._resolve_algorithm(name, {key: value for key, _, value in overrides})
-
-    def _resolve_algorithm(self, name: str | None, overrides: dict) -> tuple[DllmAlgorithm, AlgorithmParams]:
-        name, overrides = resolve_algorithm(self.config, self.spec, name, overrides)
+    def _resolve_algorithm(self, name: str | None, overrides: tuple) -> tuple[DllmAlgorithm, AlgorithmParams]:
+        """``algorithm_for`` without the kept choices (``overrides``: (key, type, value) each)."""
+        name, overrides = resolve_algorithm(self.config, self.spec, name, {key: value for key, _, value in overrides})
         try:
             algorithm = get_algorithm(name)
             return algorithm, algorithm.make_params(overrides)

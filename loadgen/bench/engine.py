@@ -17,7 +17,6 @@ from replicas.cost_model import fit_step_cost
 from replicas.engine import Engine, EngineConfig
 from replicas.heap import settle_after_start_up
 from replicas.models import load_model, load_tokenizer
-from replicas.text_encoding import text_encoder
 from replicas.tiny import task
 
 BENCH_SEED = 7
@@ -84,13 +83,14 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
         raise ValueError(f"unknown workload {workload!r}; choose one of {sorted(WORKLOADS)}")
     requests = task.make_requests(num_requests, BENCH_SEED, blank_weights=WORKLOADS[workload])
     net, tokenizer = load_model(model), load_tokenizer(model)
-    # token ids, as a replica gets them from the ingress: tokenizing is not the engine's work
-    prompts = text_encoder(tokenizer)([r.prompt for r in requests], True)
     settle_after_start_up()  # as a serving replica does: no full collection traverses start-up's objects
     params = tiny_params()
     configs = {mode: EngineConfig(mode=mode, max_batch=max_batch, fdfo_fill_hold=False) for mode in BENCH_MODES}
     configs[SEPARATE_KV] = EngineConfig(max_batch=max_batch, fdfo_fill_hold=False, fused_commit=False)
-    run_closed_batch(Engine(net, tokenizer, configs["fdfo"]), prompts[:max_batch], params)  # warm-up
+    warm_up = Engine(net, tokenizer, configs["fdfo"])
+    # token ids, as a replica gets them from the ingress: tokenizing is not the engine's work
+    prompts = warm_up.encode([r.prompt for r in requests])
+    run_closed_batch(warm_up, prompts[:max_batch], params)
     runs: dict[str, list[dict]] = {label: [] for label in configs}
     for round_index in range(rounds):
         for label, config in configs.items():
