@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .base import AlgorithmParams, check_number, register
 from .confidence_rule import ConfidenceRule
 from .sampling import gumbel
-from .selection import above_or_best, per_row
+from .selection import above_or_best, above_or_best_on_host, per_row, per_row_on_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class FastDllmThresholdParams(AlgorithmParams):
 class FastDllmThreshold(ConfidenceRule):
     name = "fast_dllm_threshold"
     params_class = FastDllmThresholdParams
+    chooses_on_host = True
     propose = staticmethod(gumbel)
 
     def choose(
@@ -39,3 +41,6 @@ class FastDllmThreshold(ConfidenceRule):
     ) -> torch.Tensor:
         threshold = per_row(params, "threshold", confidence.device)
         return above_or_best(confidence, threshold, inclusive=True)
+
+    def choose_on_host(self, confidence: np.ndarray, params: Sequence[FastDllmThresholdParams]) -> np.ndarray:
+        return above_or_best_on_host(confidence, per_row_on_host(params, "threshold"), inclusive=True)

@@ -10,6 +10,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -20,6 +21,11 @@ def per_row(
     tensor may be shared with other calls (a batch's parameters repeat step after step, and
     making a tensor costs more than looking one up): read it, never write to it."""
     return _row_tensor(tuple([getattr(v, name) for v in values]), dtype, torch.device(device))
+
+
+def per_row_on_host(values: Sequence[Any], name: str) -> np.ndarray:
+    """``per_row`` as a float64 numpy array (the rules' host path)."""
+    return np.array([getattr(v, name) for v in values], dtype=np.float64)
 
 
 @functools.lru_cache(maxsize=256)
@@ -45,6 +51,15 @@ def above_or_best(confidence: torch.Tensor, threshold: torch.Tensor, inclusive: 
     chosen = confidence >= threshold[:, None] if inclusive else confidence > threshold[:, None]
     best = confidence.max(-1, keepdim=True)
     return chosen.scatter_(-1, best.indices, best.values != float("-inf"))
+
+
+def above_or_best_on_host(confidence: np.ndarray, threshold: np.ndarray, inclusive: bool = False) -> np.ndarray:
+    """``above_or_best`` on numpy arrays (the rules' host path)."""
+    chosen = confidence >= threshold[:, None] if inclusive else confidence > threshold[:, None]
+    rows = np.arange(confidence.shape[0])
+    best = confidence.argmax(-1)
+    chosen[rows, best] |= confidence[rows, best] != -np.inf
+    return chosen
 
 
 def top_n(confidence: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
