@@ -38,6 +38,17 @@ def test_match_is_exact_and_eviction_takes_the_least_recent_unreferenced_leaf():
     assert cache.evict() == 5 and cache.num_pages == 0 and list(cache.nodes()) == []
 
 
+def test_a_parent_left_without_children_is_evicted_in_its_own_release_order():
+    cache = PrefixCache()
+    parent, leaf = cache.insert(None, [(1,), (2,)], [1, 2])  # request A computed both
+    cache.acquire([parent])  # request B holds the parent too
+    [other] = cache.insert(None, [(9,)], [3])  # request C's page
+    cache.release([parent, leaf])  # A: the leaf is unreferenced; B still holds the parent
+    cache.release([other])  # C, after A
+    cache.release([parent])  # B, last: the parent has a child still
+    assert [cache.evict() for _ in range(3)] == [2, 3, 1]  # leaf, other (released before the parent), parent
+
+
 def test_the_pool_counts_unreferenced_pages_as_available_and_evicts_when_none_is_free():
     cache = PrefixCache()
     pool = PagePool(4, cache)  # three usable pages
