@@ -4,9 +4,9 @@ Each step: propose a token and a confidence for every position, choose among the
 positions by confidence, write the chosen tokens. Nothing else is ever written, and a
 block is done when the forward that produced the logits saw no mask in it.
 
-A rule that can ``choose_on_host`` steps a greedy batch (no row samples) on CPU logits in
-numpy: the same tokens as its tensor ops, with a fraction of their host cost (right after a
-CPU forward, the step's tensor ops took ~220 us at batch 16).
+The threshold rules (``ThresholdRule``) step a greedy batch (no row samples) on CPU logits
+in numpy: the same tokens as their tensor ops, with a fraction of their host cost (right
+after a CPU forward, the step's tensor ops took ~220 us at batch 16).
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ import torch
 
 from .base import AlgorithmParams, DllmAlgorithm
 from .sampling import Proposal, RowNoise, greedy_on_host, on_host
-from .selection import masked_confidence
+from .selection import above_or_best, above_or_best_on_host, masked_confidence, per_row, per_row_on_host
 
 
 class ConfidenceRule(DllmAlgorithm):
     """Subclasses set ``propose`` (a function of ``sampling``) and implement ``choose``."""
 
     propose: ClassVar[Callable[..., Proposal]]
-    chooses_on_host: ClassVar[bool] = False  # the rule implements ``choose_on_host``
+    # ``choose`` on numpy arrays, for a rule that has one (``ThresholdRule``)
+    choose_on_host: ClassVar[Callable[..., np.ndarray] | None] = None
 
     def init_state(self, params: AlgorithmParams, block_index: int) -> RowNoise | None:
         return RowNoise.for_block(params.seed, block_index) if params.temperature > 0 else None
@@ -44,7 +45,7 @@ class ConfidenceRule(DllmAlgorithm):
         params: Sequence[AlgorithmParams],
         states: Sequence[RowNoise | None],
     ) -> None:
-        if self.chooses_on_host and on_host(logits) and not any(p.temperature > 0 for p in params):
+        if self.choose_on_host is not None and on_host(logits) and not any(p.temperature > 0 for p in params):
             tokens, confidence = greedy_on_host(logits, mask_id)
             fed = block.numpy()
             chosen = self.choose_on_host(np.where(fed == mask_id, confidence, -np.inf), params)
@@ -62,6 +63,15 @@ class ConfidenceRule(DllmAlgorithm):
         only positions whose confidence is not -inf (so only masked ones), and at least one
         in every row that has such a position."""
 
+
+class ThresholdRule(ConfidenceRule):
+    """Fill every masked position whose confidence is above the row's ``threshold``
+    parameter (at or above it, if ``inclusive``), and at least the most confident one."""
+
+    inclusive: ClassVar[bool] = False
+
+    def choose(self, confidence: torch.Tensor, params: Sequence[AlgorithmParams]) -> torch.Tensor:
+        return above_or_best(confidence, per_row(params, "threshold", confidence.device), self.inclusive)
+
     def choose_on_host(self, confidence: np.ndarray, params: Sequence[AlgorithmParams]) -> np.ndarray:
-        """``choose`` on numpy arrays, where ``chooses_on_host``."""
-        raise NotImplementedError
+        return above_or_best_on_host(confidence, per_row_on_host(params, "threshold"), self.inclusive)

@@ -9,15 +9,10 @@ always the most confident one. Tokens come from LLaDA's Gumbel-max draw at ``tem
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-
-import numpy as np
-import torch
 
 from .base import AlgorithmParams, check_number, register
-from .confidence_rule import ConfidenceRule
+from .confidence_rule import ThresholdRule
 from .sampling import gumbel
-from .selection import above_or_best, above_or_best_on_host, per_row, per_row_on_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,17 +25,8 @@ class FastDllmThresholdParams(AlgorithmParams):
 
 
 @register
-class FastDllmThreshold(ConfidenceRule):
+class FastDllmThreshold(ThresholdRule):
     name = "fast_dllm_threshold"
     params_class = FastDllmThresholdParams
-    chooses_on_host = True
+    inclusive = True
     propose = staticmethod(gumbel)
-
-    def choose(
-        self, confidence: torch.Tensor, params: Sequence[FastDllmThresholdParams]
-    ) -> torch.Tensor:
-        threshold = per_row(params, "threshold", confidence.device)
-        return above_or_best(confidence, threshold, inclusive=True)
-
-    def choose_on_host(self, confidence: np.ndarray, params: Sequence[FastDllmThresholdParams]) -> np.ndarray:
-        return above_or_best_on_host(confidence, per_row_on_host(params, "threshold"), inclusive=True)

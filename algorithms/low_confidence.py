@@ -8,15 +8,10 @@ Fill every masked position whose confidence is strictly above ``threshold`` (def
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-
-import numpy as np
-import torch
 
 from .base import check_number, register
-from .confidence_rule import ConfidenceRule
+from .confidence_rule import ThresholdRule
 from .sampling import TopKTopPParams, categorical
-from .selection import above_or_best, above_or_best_on_host, per_row, per_row_on_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,17 +24,7 @@ class LowConfidenceParams(TopKTopPParams):
 
 
 @register
-class LowConfidence(ConfidenceRule):
+class LowConfidence(ThresholdRule):
     name = "low_confidence"
     params_class = LowConfidenceParams
-    chooses_on_host = True
     propose = staticmethod(categorical)
-
-    def choose(
-        self, confidence: torch.Tensor, params: Sequence[LowConfidenceParams]
-    ) -> torch.Tensor:
-        threshold = per_row(params, "threshold", confidence.device)
-        return above_or_best(confidence, threshold)
-
-    def choose_on_host(self, confidence: np.ndarray, params: Sequence[LowConfidenceParams]) -> np.ndarray:
-        return above_or_best_on_host(confidence, per_row_on_host(params, "threshold"))
