@@ -16,29 +16,30 @@ from dataclasses import dataclass, field
 
 import torch
 
-from replicas.prefix_cache import CachedPage, PrefixCache
+from replicas.prefix_cache import CachedRun, PrefixCache
 
 
 @dataclass
 class PageAllocation:
-    """One request's pages, in sequence order: the first ``len(shared)`` are prefix-cache
-    pages it shares (their nodes, which it holds), the rest its own; ``reserved`` more are
-    promised to it, a later block's page each."""
+    """One request's pages, in sequence order: the first ``shared`` are prefix-cache pages
+    it holds (those of its deepest cached run, ``cached``, and the runs above it), the rest
+    its own; ``reserved`` more are promised to it, a later block's page each."""
 
     pages: list[int] = field(default_factory=list)
-    shared: list[CachedPage] = field(default_factory=list)
+    cached: CachedRun | None = None
+    shared: int = 0
     reserved: int = 0
 
     @property
     def own(self) -> list[int]:
-        return self.pages[len(self.shared):]
+        return self.pages[self.shared:]
 
-    def share(self, nodes: list[CachedPage]) -> None:
-        """The next own pages are cached now (``nodes``, held by this request): shared from here on."""
-        first = len(self.shared)
-        if [node.page for node in nodes] != self.pages[first:first + len(nodes)]:
+    def share(self, run: CachedRun | None, count: int) -> None:
+        """Its next ``count`` own pages are cached now, ending ``run`` (its deepest, which it holds)."""
+        if count and run.pages[-1] != self.pages[self.shared + count - 1]:
             raise ValueError("pages are shared in sequence order")
-        self.shared.extend(nodes)
+        self.cached = run
+        self.shared += count
 
 
 class PagePool:
@@ -73,25 +74,25 @@ class PagePool:
         """Unheld pages not promised to an admitted request."""
         return self.num_unheld - self._reserved
 
-    def allocate(self, shared: list[CachedPage], now: int, later: int) -> PageAllocation | None:
-        """The ``shared`` cached pages (held from now on), ``now`` pages of its own after
-        them and ``later`` more promised, or None where they do not fit (a shared page no
-        request holds yet counts as taken: it is evictable until then)."""
-        pinned = sum(node.refs == 0 for node in shared)
-        if now + later + pinned > self.num_available:
+    def allocate(self, cached: CachedRun | None, now: int, later: int) -> PageAllocation | None:
+        """The pages of the ``cached`` run and the runs above it (held from now on), ``now``
+        pages of its own after them and ``later`` more promised, or None where they do not
+        fit (a cached page no request holds yet counts as taken: it is evictable until then)."""
+        if now + later + (self.cache.pinned_by(cached) if cached is not None else 0) > self.num_available:
             return None
-        if shared:
-            self.cache.acquire(shared)
+        shared = []
+        if cached is not None:
+            self.cache.acquire(cached)
+            shared = self.cache.pages_to(cached)
         self._reserved += now + later
-        return PageAllocation([node.page for node in shared] + [self._take() for _ in range(now)], list(shared),
-                              later)
+        return PageAllocation(shared + self.take(now), cached, len(shared), later)
 
     def next_page(self, allocation: PageAllocation) -> int:
         """A page out of ``allocation``'s reservation, appended to its pages."""
         if allocation.reserved <= 0:
             raise RuntimeError("next_page() beyond the allocation's reservation")
         allocation.reserved -= 1
-        page = self._take()
+        [page] = self.take(1)
         allocation.pages.append(page)
         return page
 
@@ -100,12 +101,18 @@ class PagePool:
         and let go of its shared pages (they stay cached)."""
         self._free.extend(allocation.own)
         self._reserved -= allocation.reserved
-        if allocation.shared:
-            self.cache.release(allocation.shared)
+        if allocation.cached is not None:
+            self.cache.release(allocation.cached)
 
-    def _take(self) -> int:
-        self._reserved -= 1
-        return self._free.pop() if self._free else self.cache.evict()
+    def take(self, count: int) -> list[int]:
+        """``count`` pages out of the reservations: free ones (the last freed first), then
+        evicted ones."""
+        self._reserved -= count
+        free = min(count, len(self._free))
+        rest = len(self._free) - free
+        pages = self._free[rest:][::-1]
+        del self._free[rest:]
+        return pages + self.cache.evict(count - free) if count > free else pages
 
 
 class KVCache:

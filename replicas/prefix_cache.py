@@ -1,17 +1,25 @@
-"""The prefix cache: KV pages of request prefixes (prompt and resumed blocks), shared by
-the requests of one replica.
+"""The prefix cache: KV pages of request prefixes (prompt, resumed and committed blocks),
+shared by the requests of one replica.
 
 A page's KV depends only on the pages before it when the runner never refreshes a row
 (a block-causal model with ``kv_cache: prefix``), so a page computed for one request is
-exact for any other whose sequence starts with the same tokens. The cache is a tree of
-pages: a node's key is its page's tokens (a whole page, or the prompt's last, partial
-one), under the node of the page before it, so a match is exact token for token.
+exact for any other whose sequence starts with the same tokens. A page's key is its
+tokens (a whole page, or the prompt's last, partial one), so a match is exact token for
+token.
 
-Reference counts say how many live requests hold a node; a node's requests hold its
-ancestors too, so an unreferenced node has only unreferenced descendants and the least
-recently released unreferenced leaf can always be evicted. The page pool counts
-unreferenced pages as available (``PagePool.num_available``) and evicts one when it has
-no free page left (``PagePool.take``).
+The cache is a radix tree of *runs*: a run is a sequence of pages that continues its
+parent run's last page; a parent's children each start with a different page, by which
+they are keyed. A match that ends inside a run splits it there, so a request always holds
+whole runs: its deepest (``PageAllocation.cached``) and, through it, every run above. The
+pages a request caches after its deepest run are appended to that run where it holds it
+alone and nothing hangs below it (a step caches a dozen pages: a list append each, not a
+node each), else they start a child run.
+
+Reference counts say how many live requests hold a run (the holders of its descendants
+included), so an unreferenced run has only unreferenced descendants and the least
+recently released unreferenced leaf run can always give up its last page. The page pool
+counts the pages of unreferenced runs as available (``PagePool.num_available``) and
+evicts the pages it lacks when too few are free (``PagePool.take``).
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+Key = tuple[int, ...]  # a page's tokens
 
 
 def page_hashes(prompt_ids: Sequence[int], page_size: int) -> tuple[int, ...]:
@@ -33,12 +43,19 @@ def page_hashes(prompt_ids: Sequence[int], page_size: int) -> tuple[int, ...]:
 
 
 @dataclass(eq=False, slots=True)
-class CachedPage:
-    page: int  # the pool page holding the KV
-    tokens: tuple[int, ...]
-    parent: CachedPage | None
-    children: dict[tuple[int, ...], CachedPage] = field(default_factory=dict)
+class CachedRun:
+    keys: list[Key]  # each page's tokens
+    pages: list[int]  # the pool pages holding their KV
+    parent: CachedRun | None  # the run this one continues (None: it starts a sequence)
+    children: dict[Key, CachedRun] = field(default_factory=dict)  # by their first page's tokens
     refs: int = 0  # live requests holding it
+
+    def path(self) -> Iterator[CachedRun]:
+        """This run and the runs above it, up to the first."""
+        run: CachedRun | None = self
+        while run is not None:
+            yield run
+            run = run.parent
 
 
 @dataclass
@@ -57,78 +74,115 @@ class PrefixCacheTotals:
 
 class PrefixCache:
     def __init__(self):
-        self._roots: dict[tuple[int, ...], CachedPage] = {}
-        self._unreferenced: OrderedDict[CachedPage, None] = OrderedDict()  # least recently released first
+        self._roots: dict[Key, CachedRun] = {}
+        self._unreferenced: OrderedDict[CachedRun, None] = OrderedDict()  # least recently released first
+        self.num_unreferenced = 0  # pages of the unreferenced runs: free for the pool to evict
         self.num_pages = 0
         self.totals = PrefixCacheTotals()
 
-    @property
-    def num_unreferenced(self) -> int:
-        """Cached pages no live request holds: free for the pool to evict."""
-        return len(self._unreferenced)
-
-    def nodes(self) -> Iterator[CachedPage]:
-        """Every cached page, parents before their children."""
+    def runs(self) -> Iterator[CachedRun]:
+        """Every cached run, parents before their children."""
         stack = list(self._roots.values())
         while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+            run = stack.pop()
+            yield run
+            stack.extend(run.children.values())
 
-    def match(self, pages: Sequence[tuple[int, ...]]) -> list[CachedPage]:
-        """The cached nodes of the longest run of ``pages`` (each page's tokens, from the
-        sequence's first) found in the cache; nothing changes."""
-        found, level = [], self._roots
-        for tokens in pages:
-            node = level.get(tokens)
-            if node is None:
-                break
-            found.append(node)
-            level = node.children
-        return found
+    def match(self, keys: Sequence[Key]) -> tuple[CachedRun | None, int]:
+        """The deepest run of the longest prefix of ``keys`` (each page's tokens, from the
+        sequence's first) found in the cache, and how many pages that prefix has; a run the
+        prefix ends inside is split there first (what is cached does not change)."""
+        run, depth, level = None, 0, self._roots
+        while depth < len(keys) and (child := level.get(keys[depth])) is not None:
+            same, limit = 1, min(len(child.keys), len(keys) - depth)
+            while same < limit and child.keys[same] == keys[depth + same]:
+                same += 1
+            run = self._split(child, same) if same < len(child.keys) else child
+            depth += same
+            level = run.children
+        return run, depth
 
-    def acquire(self, nodes: Sequence[CachedPage]) -> None:
-        for node in nodes:
-            if node.refs == 0:
-                del self._unreferenced[node]
-            node.refs += 1
+    def pages_to(self, run: CachedRun | None) -> list[int]:
+        """The pages of ``run`` and every run above it, in sequence order."""
+        return [page for above in reversed(list(run.path())) for page in above.pages] if run is not None else []
 
-    def release(self, nodes: Sequence[CachedPage]) -> None:
-        """A request lets go of its nodes (a chain from the first page)."""
-        for node in reversed(nodes):  # the leaf first: it is evicted before its parent
-            node.refs -= 1
-            if node.refs == 0:
-                self._unreferenced[node] = None
+    def pinned_by(self, run: CachedRun | None) -> int:
+        """Unreferenced pages that holding ``run`` would take from the evictable ones."""
+        pages = 0
+        for above in run.path() if run is not None else ():
+            if above.refs:
+                break  # held, and so is every run above it
+            pages += len(above.pages)
+        return pages
 
-    def insert(self, parent: CachedPage | None, keys: Sequence[tuple[int, ...]],
-               pages: Sequence[int]) -> list[CachedPage]:
-        """Cache ``pages`` (their KV written), keyed by ``keys``, each under the one before
-        and the first under ``parent``, held by the request that computed them; the chain
-        stops at a key cached already (by another request meanwhile: the pages from there
-        stay the request's). Returns the nodes made, in order."""
-        made, level = [], self._roots if parent is None else parent.children
-        for tokens, page in zip(keys, pages):
-            if tokens in level:
-                break
-            parent = level[tokens] = CachedPage(page, tokens, parent, refs=1)
-            made.append(parent)
-            level = parent.children
-        self.num_pages += len(made)
-        return made
+    def acquire(self, run: CachedRun) -> None:
+        """A request holds ``run`` (and so every run above it)."""
+        for above in run.path():
+            if above.refs == 0:
+                del self._unreferenced[above]
+                self.num_unreferenced -= len(above.pages)
+            above.refs += 1
 
-    def evict(self) -> int:
-        """Drop the least recently released unreferenced leaf; its page, for reuse."""
-        node = next((n for n in self._unreferenced if not n.children), None)
-        if node is None:
-            raise RuntimeError("no cached page to evict")
-        del self._unreferenced[node]
-        level = self._roots if node.parent is None else node.parent.children
-        del level[node.tokens]
-        self.num_pages -= 1
-        self.totals.evictions += 1
-        return node.page
+    def release(self, run: CachedRun) -> None:
+        """A request lets go of ``run``, its deepest (the leaf first: it is evicted first)."""
+        for above in run.path():
+            above.refs -= 1
+            if above.refs == 0:
+                self._unreferenced[above] = None
+                self.num_unreferenced += len(above.pages)
 
-    def count_lookup(self, looked_up: int, hits: Sequence[CachedPage]) -> None:
+    def insert(self, run: CachedRun | None, keys: Sequence[Key], pages: Sequence[int]) -> tuple[CachedRun | None, int]:
+        """Cache ``pages`` (their KV written), keyed by ``keys``, after ``run`` (the deepest
+        run of the request that computed them, which holds it; None: from the sequence's
+        start); the request holds them. Where another request cached the first key already
+        meanwhile, nothing is cached (the pages stay the request's own). Returns the
+        request's deepest run now and how many pages it cached."""
+        level = self._roots if run is None else run.children
+        if not keys or keys[0] in level:
+            return run, 0
+        if run is not None and run.refs == 1 and not run.children:  # its own leaf: extended in place
+            run.keys.extend(keys)
+            run.pages.extend(pages)
+        else:
+            run = level[keys[0]] = CachedRun(list(keys), list(pages), run, refs=1)
+        self.num_pages += len(keys)
+        return run, len(keys)
+
+    def evict(self, count: int = 1) -> list[int]:
+        """Drop ``count`` pages, each the last of the least recently released unreferenced
+        leaf run; their pages, for reuse."""
+        if count > self.num_unreferenced:
+            raise RuntimeError(f"{count} cached pages to evict; {self.num_unreferenced} are unreferenced")
+        pages: list[int] = []
+        while len(pages) < count:
+            run = next(iter(self._unreferenced))  # a leaf, unless a child was released after it
+            if run.children:
+                run = next(r for r in self._unreferenced if not r.children)
+            take = min(count - len(pages), len(run.pages))
+            pages += run.pages[:-take - 1:-1]  # the last first
+            first_key = run.keys[0]
+            del run.keys[-take:], run.pages[-take:]
+            if not run.pages:
+                del self._unreferenced[run]
+                del (self._roots if run.parent is None else run.parent.children)[first_key]
+        self.num_unreferenced -= count
+        self.num_pages -= count
+        self.totals.evictions += count
+        return pages
+
+    def count_lookup(self, looked_up: int, pages_hit: int, tokens_hit: int) -> None:
         self.totals.pages_looked_up += looked_up
-        self.totals.pages_hit += len(hits)
-        self.totals.tokens_hit += sum(len(node.tokens) for node in hits)
+        self.totals.pages_hit += pages_hit
+        self.totals.tokens_hit += tokens_hit
+
+    def _split(self, run: CachedRun, at: int) -> CachedRun:
+        """Split ``run`` after its first ``at`` pages; the new run of those, which its
+        holders hold as they held ``run`` (``run`` keeps the rest, and its holders)."""
+        head = CachedRun(run.keys[:at], run.pages[:at], run.parent, {run.keys[at]: run}, run.refs)
+        level = self._roots if run.parent is None else run.parent.children
+        level[run.keys[0]] = head
+        del run.keys[:at], run.pages[:at]
+        run.parent = head
+        if run.refs == 0:
+            self._unreferenced[head] = None  # its pages counted with ``run``'s already
+        return head

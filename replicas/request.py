@@ -67,8 +67,8 @@ class Request:
     # (replicas.scheduler), which applies each committed block (``replicas.output.BlockCommit``)
     phase: Phase = Phase.WAITING
     row: int = -1
-    # its pages (``replicas.kv_cache``); ``allocation.shared``: the prefix cache's nodes of
-    # its first pages, found there at admission or computed here and cached since
+    # its pages (``replicas.kv_cache``); ``allocation.shared``: how many of its first pages
+    # are the prefix cache's (found there at admission, or computed here and cached since)
     allocation: PageAllocation = field(default_factory=PageAllocation)
     prefilled_pages: int = 0  # pages of the prefix (prompt, resumed blocks) whose KV is in the cache
     cached_tokens: int = 0  # prefix tokens found in the cache at admission

@@ -35,6 +35,7 @@ import numpy as np
 from replicas.scheduled_batch import ScheduledBatch
 from replicas.batching import Phase, RowAction, SchedulerMode, batching_policy
 from replicas.kv_cache import PageAllocation, PagePool
+from replicas.prefix_cache import CachedRun
 from replicas.output import BlockCommit
 from replicas.request import FinishReason, Request
 from replicas.rows import RowTable
@@ -146,8 +147,7 @@ class Scheduler:
         Unaligned after a partial page, an answer starts on a page of its own, which a later
         prompt never continues."""
         allocation = request.allocation
-        shared = allocation.shared
-        if len(shared) != first:  # a gap: a page before is not cached (another request's copy)
+        if allocation.shared != first:  # a gap: a page before is not cached (another request's copy)
             return
         if first < request.prefix_pages:
             keys = request.prefix_keys[first:end]
@@ -155,7 +155,7 @@ class Scheduler:
             keys = (block,)
         else:
             return
-        allocation.share(self.cache.insert(shared[-1] if shared else None, keys, allocation.pages[first:end]))
+        allocation.share(*self.cache.insert(allocation.cached, keys, allocation.pages[first:end]))
 
     def _apply(self, request: Request, commit: BlockCommit) -> None:
         """A done block into the request's output and record."""
@@ -208,26 +208,26 @@ class Scheduler:
             return
         while self.waiting and len(self.running) < self.max_batch and self.rows.num_free:
             request = self.waiting[0]
-            cached = self._cached_prefix(request)
+            cached, depth = self._cached_prefix(request)
             # FIFO: the head waits a few steps for the pages it would compute twice, where it
             # may join later in the round (fdfo; the baselines would keep it out of the round)
-            if self.policy.admits(len(self.running), round_over=False) and self._being_prefilled(request, cached):
+            if self.policy.admits(len(self.running), round_over=False) and self._being_prefilled(request, cached, depth):
                 break
             # the prompt's pages now; its blocks' (and a suffix's) now on the full canvas, where
             # they are laid out at once, else promised, each taken as its block starts
             blocks = request.blocks_to_denoise + request.suffix_pages
-            uncached = request.prefix_pages - len(cached)
+            uncached = request.prefix_pages - depth
             allocation = self.pool.allocate(cached, uncached + blocks if self.full_canvas else uncached,
                                             0 if self.full_canvas else blocks)
             if allocation is None:
                 break  # FIFO: the head waits for pages, nobody overtakes it
             self.waiting.popleft()
+            request.cached_tokens = sum(map(len, request.prefix_keys[:depth])) if depth else 0
             if self.cache is not None:
-                self.cache.count_lookup(request.prefix_pages, cached)
+                self.cache.count_lookup(request.prefix_pages, depth, request.cached_tokens)
             request.allocation = allocation
             request.block_index = request.first_block_index
-            request.cached_tokens = sum(len(node.tokens) for node in cached)
-            request.prefilled_pages = len(cached)
+            request.prefilled_pages = depth
             prefix, canvas = allocation.pages[:request.prefix_pages], allocation.pages[request.prefix_pages:]
             request.row = self.rows.acquire(request.prompt_ids, prefix, request.params.resume_ids, request.aligned)
             if self.full_canvas:
@@ -235,24 +235,23 @@ class Scheduler:
             request.phase = Phase.PREFILL
             self.running.append(request)
 
-    def _cached_prefix(self, request: Request) -> list:
-        """The cached nodes of the request's first prefix pages (none without a cache)."""
+    def _cached_prefix(self, request: Request) -> tuple[CachedRun | None, int]:
+        """The deepest cached run of the request's first prefix pages, and how many pages
+        that is (none without a cache)."""
         if self.cache is None:
-            return []
+            return None, 0
         return self.cache.match(request.prefix_keys)
 
-    def _being_prefilled(self, request: Request, cached: list) -> bool:
+    def _being_prefilled(self, request: Request, cached: CachedRun | None, depth: int) -> bool:
         """Whether a running request is prefilling the first page of ``request``'s prefix
-        that is not cached, under the same cached pages: it caches that page once written,
-        so ``request`` finds it then instead of computing it too (a burst of requests with
-        one new system prompt prefills it once)."""
-        depth = len(cached)
+        that is not cached (after its ``depth`` pages found cached, ending with the
+        ``cached`` run): it caches that page once written, so ``request`` finds it then
+        instead of computing it too (a burst of requests with one new system prompt
+        prefills it once)."""
         if self.cache is None or depth >= request.prefix_pages:
             return False
-        parent = cached[-1] if cached else None
-        return any(other.phase is Phase.PREFILL and len(other.allocation.shared) == depth < other.prefix_pages
-                   and (other.allocation.shared[-1] if depth else None) is parent
-                   and other.prefix_keys[depth] == request.prefix_keys[depth]
+        return any(other.phase is Phase.PREFILL and other.allocation.shared == depth < other.prefix_pages
+                   and other.allocation.cached is cached and other.prefix_keys[depth] == request.prefix_keys[depth]
                    for other in self.running)
 
     def _start_block(self, request: Request) -> None:
@@ -312,7 +311,8 @@ class Scheduler:
                     add_unit(request, page_index, count, False)
                 request.prefilled_pages = last
                 prompt_pages += last - first
-                self._written.append((request, first, last, None))
+                if last > first:
+                    self._written.append((request, first, last, None))
                 if last == request.prefix_pages and budget >= size:
                     budget -= size
                     self._start_block(request)  # prefill fused with the first block

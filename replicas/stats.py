@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # made every step, after its clock stopped: slots make it cheap
 class StepStats:
     batch_size: int  # rows in the forward (idle baseline rows included)
     active_rows: int  # rows the algorithm advanced

@@ -100,7 +100,7 @@ def test_runner_works_from_the_plain_batch_alone(random_model):
     """No scheduler and no request: a row filled by hand and a batch of tensors."""
     size = random_model.spec.block_length
     prompt = [5 + (i * 3) % 40 for i in range(20)]  # one full page and 4 tokens
-    pages = PagePool(8).allocate([], 3, 0).pages
+    pages = PagePool(8).allocate(None, 3, 0).pages
     rows = RowTable(2, 4, size, pad_id=random_model.spec.eos_token_id)
     row = rows.acquire(prompt, pages[:2])
     rows.start_blocks([row], [2], [pages[2]], [0], random_model.spec.mask_token_id)

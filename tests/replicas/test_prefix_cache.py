@@ -9,7 +9,7 @@ import pytest
 from replicas.batching import SchedulerMode
 from replicas.kv_cache import PagePool
 from replicas.messages import SamplingParams
-from replicas.prefix_cache import CachedPage, PrefixCache
+from replicas.prefix_cache import CachedRun, PrefixCache
 
 BLOCK = 16  # the random tiny model's block length
 
@@ -17,62 +17,95 @@ BLOCK = 16  # the random tiny model's block length
 # ---- the cache and the pool ---------------------------------------------------------------
 def test_match_is_exact_and_eviction_takes_the_least_recent_unreferenced_leaf():
     cache = PrefixCache()
-    a, b = cache.insert(None, [(1, 2), (3, 4)], [5, 6])  # one request computed a and b
-    assert (a.page, b.page, b.parent, a.refs, b.refs) == (5, 6, a, 1, 1)
-    assert cache.insert(None, [(1, 2), (3, 5)], [8, 9]) == []  # cached already: the pages stay their request's
-    assert cache.match([(1, 2), (3, 9)]) == [a]  # another request finds a, holds it and computes c
-    cache.acquire([a])
-    [c] = cache.insert(a, [(3, 9)], [7])
-    assert cache.match([(1, 2), (3, 4), (5, 6)]) == [a, b] and cache.match([(1, 2), (3,)]) == [a]
-    assert cache.match([(2, 1)]) == [] and cache.num_unreferenced == 0
-    cache.release([a, b])
-    assert [n.refs for n in (a, b, c)] == [1, 0, 1] and cache.num_unreferenced == 1
-    cache.release([a, c])
+    ab, cached = cache.insert(None, [(1, 2), (3, 4)], [5, 6])  # one request computed a and b: one run
+    assert (cached, ab.pages, ab.parent, ab.refs, cache.num_pages) == (2, [5, 6], None, 1, 2)
+    assert cache.insert(None, [(1, 2), (3, 5)], [8, 9]) == (None, 0)  # cached already: the pages stay their request's
+    a, depth = cache.match([(1, 2), (3, 9)])  # another request finds a: the run splits after it
+    assert (depth, a.pages, ab.pages, ab.parent, a.refs) == (1, [5], [6], a, 1)
+    assert cache.match([(1, 2), (3, 4), (5, 6)]) == (ab, 2) and cache.match([(1, 2), (3,)]) == (a, 1)
+    assert cache.match([(2, 1)]) == (None, 0) and cache.pages_to(ab) == [5, 6]
+    cache.acquire(a)  # that request holds a and computes c after it
+    c, cached = cache.insert(a, [(3, 9)], [7])
+    assert (cached, c.parent, a.refs, c.refs, cache.num_unreferenced) == (1, a, 2, 1, 0)
+    cache.release(ab)  # the first request ends
+    assert [run.refs for run in (a, ab, c)] == [1, 0, 1] and cache.num_unreferenced == 1
+    cache.release(c)
     assert cache.num_unreferenced == 3
-    assert cache.evict() == 6  # b, released first, went first; a has a child
-    cache.acquire([a])  # a request holds a again: only c may go
-    assert cache.evict() == 7
+    assert cache.evict() == [6]  # b, released first, went first; a has a child
+    assert cache.pinned_by(a) == 1
+    cache.acquire(a)  # a request holds a again: only c may go
+    assert cache.evict() == [7]
     with pytest.raises(RuntimeError):
         cache.evict()
-    cache.release([a])
-    assert cache.evict() == 5 and cache.num_pages == 0 and list(cache.nodes()) == []
+    cache.release(a)
+    assert cache.evict() == [5] and cache.num_pages == 0 and list(cache.runs()) == []
+
+
+def test_a_request_alone_on_its_run_extends_it_and_a_shared_one_branches():
+    cache = PrefixCache()
+    run, _ = cache.insert(None, [(1,), (2,)], [1, 2])
+    assert cache.insert(run, [(3,)], [3]) == (run, 1) and run.pages == [1, 2, 3]  # held alone: one run still
+    cache.acquire(run)  # a second request holds it too
+    child, cached = cache.insert(run, [(4,)], [4])
+    assert cached == 1 and child.parent is run and run.pages == [1, 2, 3] and cache.num_pages == 4
+    assert cache.insert(run, [(4,)], [5]) == (run, 0)  # the other request's copy of that page stays its own
 
 
 def test_a_parent_left_without_children_is_evicted_in_its_own_release_order():
     cache = PrefixCache()
-    parent, leaf = cache.insert(None, [(1,), (2,)], [1, 2])  # request A computed both
-    cache.acquire([parent])  # request B holds the parent too
-    [other] = cache.insert(None, [(9,)], [3])  # request C's page
-    cache.release([parent, leaf])  # A: the leaf is unreferenced; B still holds the parent
-    cache.release([other])  # C, after A
-    cache.release([parent])  # B, last: the parent has a child still
-    assert [cache.evict() for _ in range(3)] == [2, 3, 1]  # leaf, other (released before the parent), parent
+    leaf, _ = cache.insert(None, [(1,), (2,)], [1, 2])  # request A computed both
+    parent, _ = cache.match([(1,)])  # request B holds the first page too
+    cache.acquire(parent)
+    other, _ = cache.insert(None, [(9,)], [3])  # request C's page
+    cache.release(leaf)  # A: the leaf is unreferenced; B still holds the parent
+    cache.release(other)  # C, after A
+    cache.release(parent)  # B, last: the parent has a child still
+    assert cache.evict(3) == [2, 3, 1]  # leaf, other (released before the parent), parent
 
 
 def test_the_pool_counts_unreferenced_pages_as_available_and_evicts_when_none_is_free():
     cache = PrefixCache()
     pool = PagePool(4, cache)  # three usable pages
-    first = pool.allocate([], 2, 1)
+    first = pool.allocate(None, 2, 1)
     assert first.own == first.pages and len(first.pages) == 2 and first.reserved == 1
-    assert pool.allocate([], 1, 0) is None  # every page taken or promised
+    assert pool.allocate(None, 1, 0) is None  # every page taken or promised
     taken_first = list(first.pages)
     page = pool.next_page(first)
     pages = list(first.pages)
     assert pages == taken_first + [page] and first.reserved == 0
     with pytest.raises(RuntimeError):
         pool.next_page(first)
-    [node] = cache.insert(None, [(1,)], pages[:1])
+    run, cached = cache.insert(None, [(1,)], pages[:1])
     with pytest.raises(ValueError):
-        first.share([CachedPage(pages[1], (2,), None)])  # not its next own page
-    first.share([node])
+        first.share(CachedRun([(2,)], [pages[1]], None), 1)  # not its next own page
+    first.share(run, cached)
     assert first.own == pages[1:]
     pool.free(first)  # its own pages go back; the cached one stays, unreferenced
     assert pool.num_available == 3 and cache.num_unreferenced == 1
-    second = pool.allocate([node], 1, 1)  # the cached page shared, held again
-    assert second.pages[0] == node.page and node.refs == 1 and pool.num_available == 0
+    second = pool.allocate(run, 1, 1)  # the cached page shared, held again
+    assert second.pages[0] == run.pages[0] and run.refs == 1 and pool.num_available == 0
     pool.free(second)
-    taken = pool.allocate([], 3, 0)  # no page free but one cached: evicted
+    taken = pool.allocate(None, 3, 0)  # no page free but one cached: evicted
     assert sorted(taken.pages) == sorted(pages) and cache.num_pages == 0 and cache.totals.evictions == 1
+
+
+def test_a_take_uses_the_free_pages_first_then_evicts_across_runs_least_recent_first():
+    cache = PrefixCache()
+    pool = PagePool(6, cache)  # five usable pages
+    first = pool.allocate(None, 3, 0)
+    first.share(*cache.insert(None, [(1,), (2,)], first.pages[:2]))
+    second = pool.allocate(None, 1, 0)
+    second.share(*cache.insert(None, [(9,)], second.pages))  # another request's page
+    [never_taken] = pool._free
+    pool.free(first)  # its third page goes back to the free list
+    pool.free(second)
+    assert pool.num_free == 2 and cache.num_unreferenced == 3
+    taken = pool.allocate(None, 5, 0).pages
+    # the free pages (the last freed first), then the first run's from its last, then the second's
+    assert taken == [first.pages[2], never_taken, first.pages[1], first.pages[0], second.pages[0]]
+    assert cache.num_pages == cache.num_unreferenced == 0 and list(cache.runs()) == []
+    with pytest.raises(RuntimeError):
+        cache.evict()
 
 
 # ---- the engine: same tokens with and without the cache --------------------------------------
@@ -144,15 +177,20 @@ def test_models_that_recompute_their_prompt_do_not_cache(make_engine):
 # ---- no leak, nothing held evicted ---------------------------------------------------------------
 def check_pages(engine) -> None:
     """Every page is exactly one of: scratch, free, cached, a running request's own; a
-    cached page's count is its holders'; an unreferenced one is evictable."""
+    cached run's count is its holders' (those of the runs below it included); an
+    unreferenced one is evictable; a request's shared pages are its cached runs'."""
     pool, cache = engine.pool, engine.pool.cache
     running = engine.scheduler.running
-    held = Counter(node for request in running for node in request.allocation.shared)
-    nodes = list(cache.nodes())
-    assert all(node.refs == held[node] for node in nodes) and set(held) <= set(nodes)
-    assert cache.num_unreferenced == sum(node.refs == 0 for node in nodes) == cache.num_pages - len(held)
+    held = Counter(run for request in running if request.allocation.cached is not None
+                   for run in request.allocation.cached.path())
+    runs = list(cache.runs())
+    assert all(run.refs == held[run] and run.pages for run in runs) and set(held) <= set(runs)
+    assert all(cache.pages_to(r.allocation.cached) == r.allocation.pages[:r.allocation.shared] for r in running)
+    cached = [page for run in runs for page in run.pages]
+    assert cache.num_unreferenced == sum(len(run.pages) for run in runs if run.refs == 0)
+    assert cache.num_pages == len(cached)
     own = [page for request in running for page in request.allocation.own]
-    everything = [PagePool.SCRATCH_PAGE] + pool._free + [node.page for node in nodes] + own
+    everything = [PagePool.SCRATCH_PAGE] + pool._free + cached + own
     assert len(everything) == len(set(everything))  # no page in two places
     reserved = sum(request.allocation.reserved for request in running)
     assert pool.num_available == pool.num_free + cache.num_unreferenced - reserved >= 0
@@ -191,7 +229,7 @@ def test_a_long_random_run_leaks_nothing_and_never_evicts_a_held_page(make_engin
     assert sum(ended.values()) == 500 and ended["abort"] > 20 and ended["timeout"] > 10 and ended["length"] > 200
     cache = engine.pool.cache
     assert cache.totals.evictions > 100 and cache.totals.pages_hit > 200
-    assert all(node.refs == 0 for node in cache.nodes())
+    assert all(run.refs == 0 for run in cache.runs())
     assert engine.pool.num_available == engine.pool.capacity
 
 
