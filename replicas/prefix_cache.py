@@ -137,6 +137,8 @@ class PrefixCache:
         start); the request holds them. Where another request cached the first key already
         meanwhile, nothing is cached (the pages stay the request's own). Returns the
         request's deepest run now and how many pages it cached."""
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
         level = self._roots if run is None else run.children
         if not keys or keys[0] in level:
             return run, 0

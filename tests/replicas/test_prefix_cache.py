@@ -49,6 +49,8 @@ def test_a_request_alone_on_its_run_extends_it_and_a_shared_one_branches():
     child, cached = cache.insert(run, [(4,)], [4])
     assert cached == 1 and child.parent is run and run.pages == [1, 2, 3] and cache.num_pages == 4
     assert cache.insert(run, [(4,)], [5]) == (run, 0)  # the other request's copy of that page stays its own
+    with pytest.raises(ValueError):
+        cache.insert(child, [(5,), (6,)], [6])  # a key without its page
 
 
 def test_a_parent_left_without_children_is_evicted_in_its_own_release_order():
