@@ -235,6 +235,41 @@ def test_a_long_random_run_leaks_nothing_and_never_evicts_a_held_page(make_engin
     assert engine.pool.num_available == engine.pool.capacity
 
 
+def run_checked(engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """``prompts`` run to their end, the pages checked after every step (with a cache);
+    their answers' ids."""
+    answers: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, on_output=lambda o, i=i: answers.__setitem__(i, o.token_ids), whole=True)
+    while engine.has_work():
+        engine.step()
+        if engine.pool.cache is not None:
+            check_pages(engine)
+    return [answers[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("alignment", ["prompt", "page"])
+def test_interleaved_chats_give_the_tokens_of_no_cache_and_keep_the_pages_sound(make_engine, alignment):
+    """Six chats of four turns on two system prompts, one turn of each at a time on a pool
+    small enough to evict: a turn's prompt repeats its chat (prompt and answers), so runs
+    are extended by answers, split where chats part and evicted; every turn's answers
+    equal the engine's without a cache, and the pages are checked after every step."""
+    rng = random.Random(alignment)
+    systems = [[rng.randrange(5, 60) for _ in range(length)] for length in (2 * BLOCK, 2 * BLOCK + 5)]
+    chats = [list(systems[i % 2]) for i in range(6)]
+    params = SamplingParams(max_tokens=2 * BLOCK, ignore_eos=True)
+    config = dict(max_batch=3, num_pages=40, block_alignment=alignment, fill_timeout_s=0.0)
+    cached, plain = make_engine(**config), make_engine(prefix_cache=False, **config)
+    for _ in range(4):
+        prompts = [chat + [rng.randrange(5, 60) for _ in range(rng.choice([3, BLOCK]))] for chat in chats]
+        answers = run_checked(cached, prompts, params)
+        assert answers == run_checked(plain, prompts, params)
+        chats = [prompt + answer for prompt, answer in zip(prompts, answers)]
+    totals = cached.pool.cache.totals
+    assert totals.pages_hit > 4 * 6 and totals.evictions > 0
+    assert cached.pool.num_available == cached.pool.capacity
+
+
 @pytest.mark.parametrize("alignment, whole_pages", [("prompt", False), ("page", False), ("page", True)])
 def test_a_next_turn_finds_the_blocks_its_first_turn_committed(make_engine, tokenizer, alignment, whole_pages):
     """A chat's second turn is its first prompt, the first answer and a new message: with
