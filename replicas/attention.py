@@ -52,7 +52,7 @@ class PagedAttentionContext:
         self.cache_positions = to_device(layout.cache_positions, device)
         self.key_cache_positions = to_device(layout.key_cache_positions, device)
         unit_start = layout.unit_start.numpy()  # a host tensor: the index math runs in numpy
-        counts = np.diff(unit_start)
+        counts = unit_start[1:] - unit_start[:-1]
         self.units = counts.size
         self.page_size = page_size
         # when every unit is a whole page (denoise-only steps) the packed queries already
@@ -62,7 +62,7 @@ class PagedAttentionContext:
             token_unit = np.repeat(np.arange(self.units), counts)
             offset = np.arange(unit_start[-1]) - unit_start[token_unit]
             self.pad_index = to_device(torch.from_numpy(token_unit * page_size + offset), device)
-        self.mask = to_device(layout.key_valid[:, None, None, :], device)  # [U, 1, 1, Kmax]
+        self.mask = to_device(layout.key_valid.reshape(self.units, 1, 1, -1), device)  # [U, 1, 1, Kmax]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q[T, H, D]``, ``k``/``v[T, Hkv, D]`` -> ``[T, H, D]``."""

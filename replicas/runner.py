@@ -96,6 +96,9 @@ class ModelRunner:
         self.refreshes = self.refresh_every_step or self.bidirectional or self.shift_logits
         self.backend = resolve_backend(attention_backend, device, kv_cache.k[0].dtype)
         self._offsets = np.arange(self.block_length)
+        # each pool page's cache positions (page x page size + offset): a step's are one gather from these
+        num_pages = kv_cache.k[0].shape[0] // self.block_length
+        self._page_positions = np.arange(num_pages)[:, None] * self.block_length + self._offsets
         self._first_logits: torch.Tensor | None = None  # [rows, V]: shifted models' first logit
 
     def _refreshed(self, batch: ScheduledBatch) -> np.ndarray:
@@ -153,7 +156,7 @@ class ModelRunner:
             positions = positions - ((page_index >= prompt_pages) * (size - prompt_tail))[:, None]
         positions = packed(positions)
         page = np.where(unit_scratch, PagePool.SCRATCH_PAGE, rows.page_table.reshape(-1)[flat_page])
-        cache_positions = packed(page[:, None] * size + offsets)
+        cache_positions = packed(self._page_positions[page])
 
         unit_start = np.empty(unit_count.size + 1, dtype=np.int64)
         unit_start[0] = 0
@@ -168,7 +171,7 @@ class ModelRunner:
             sees = page_index
         key_pages = int(sees.max()) + 1
         table = rows.page_table[unit_row, :key_pages]
-        key_cache_positions = (table[:, :, None] * size + offsets).reshape(-1, key_pages * size)
+        key_cache_positions = self._page_positions[table].reshape(-1, key_pages * size)
         # [U, pages, L] from page-level [U, pages, 1] and offset-level [U, 1, L] conditions
         key_page = np.arange(key_pages)
         key_valid = (key_page <= sees[:, None])[:, :, None] & (
