@@ -96,9 +96,10 @@ class ModelRunner:
         self.refreshes = self.refresh_every_step or self.bidirectional or self.shift_logits
         self.backend = resolve_backend(attention_backend, device, kv_cache.k[0].dtype)
         self._offsets = np.arange(self.block_length)
-        # each pool page's cache positions (page x page size + offset): a step's are one gather from these
-        num_pages = kv_cache.k[0].shape[0] // self.block_length
-        self._page_positions = np.arange(num_pages)[:, None] * self.block_length + self._offsets
+        # page x page size + offset for every pool page (its cache positions) and every page index
+        # of a row (its tokens' positions): a step's are one gather from these
+        pages = max(kv_cache.k[0].shape[0] // self.block_length, rows.max_pages)
+        self._page_positions = np.arange(pages)[:, None] * self.block_length + self._offsets
         self._first_logits: torch.Tensor | None = None  # [rows, V]: shifted models' first logit
 
     def _refreshed(self, batch: ScheduledBatch) -> np.ndarray:
@@ -142,8 +143,8 @@ class ModelRunner:
         size, rows, offsets = self.block_length, self.rows, self._offsets
         unit_row, page_index, unit_count, unit_is_block, unit_scratch = self._units(batch, refreshed)
         flat_page = unit_row * rows.max_pages + page_index
-        valid = offsets < unit_count[:, None]  # [U, L]
-        whole = valid.all()  # whole pages only (denoise steps): no token to drop
+        whole = unit_count.min() == size  # whole pages only (denoise steps): no token to drop
+        valid = None if whole else offsets < unit_count[:, None]  # [U, L]
 
         def packed(per_unit: np.ndarray) -> np.ndarray:  # [U, L] -> the [T] fed tokens'
             return per_unit.reshape(-1) if whole else per_unit[valid]
@@ -151,7 +152,7 @@ class ModelRunner:
         input_ids = packed(rows.tokens.reshape(-1, size)[flat_page])
         prompt_pages = rows.prompt_pages[unit_row]
         prompt_tail = rows.prompt_tail[unit_row]
-        positions = page_index[:, None] * size + offsets
+        positions = self._page_positions[page_index]
         if self.contiguous_positions:  # no gap between the prompt's last token and the blocks
             positions = positions - ((page_index >= prompt_pages) * (size - prompt_tail))[:, None]
         positions = packed(positions)
