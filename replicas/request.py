@@ -151,11 +151,13 @@ class Request:
             return self.fixed_tokens // self.block_length
         return self.prompt_pages + self.resumed_blocks
 
-    def page_tokens(self, page_index: int) -> int:
-        """Tokens on a prefix page: full pages, except the prompt's last (unaligned)."""
-        if not self.aligned and page_index == self.prompt_pages - 1:
-            return len(self.prompt_ids) - page_index * self.block_length
-        return self.block_length
+    @cached_property
+    def prefix_page_tokens(self) -> tuple[int, ...]:
+        """Tokens on each prefix page: full pages, except the prompt's last (unaligned)."""
+        tokens = [self.block_length] * self.prefix_pages
+        if not self.aligned and self.prompt_pages:
+            tokens[self.prompt_pages - 1] = len(self.prompt_ids) - (self.prompt_pages - 1) * self.block_length
+        return tuple(tokens)
 
     @cached_property
     def prefix_keys(self) -> tuple[tuple[int, ...], ...]:

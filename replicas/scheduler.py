@@ -305,8 +305,7 @@ class Scheduler:
             if request.phase is Phase.PREFILL:
                 first = request.prefilled_pages
                 last = self._prefill_end(request, budget)
-                for page_index in range(first, last):
-                    count = request.page_tokens(page_index)
+                for page_index, count in enumerate(request.prefix_page_tokens[first:last], first):
                     budget -= count
                     add_unit(request, page_index, count, False)
                 request.prefilled_pages = last
@@ -358,8 +357,8 @@ class Scheduler:
     @staticmethod
     def _prefill_end(request: Request, budget: int) -> int:
         """The page index the prefill reaches this step: whole pages, as many as fit ``budget``."""
-        end = request.prefilled_pages
-        while end < request.prefix_pages and request.page_tokens(end) <= budget:
-            budget -= request.page_tokens(end)
+        tokens, end = request.prefix_page_tokens, request.prefilled_pages
+        while end < len(tokens) and tokens[end] <= budget:
+            budget -= tokens[end]
             end += 1
         return end
