@@ -325,8 +325,8 @@ class Scheduler:
                                       request.unwritten_ids))
                 if not idle:
                     add_unit(request, request.unwritten_page, size, False)
-            add_unit(request, request.active_page_index, size, True,
-                     scratch=idle and request.unwritten_page is None)
+            block_page = request.active_page_index
+            add_unit(request, block_page, size, True, scratch=idle and request.unwritten_page is None)
             request.unwritten_page, request.unwritten_ids = None, None
             advances.append(not idle)
             steps_in_block.append(request.steps_in_block)
@@ -334,7 +334,7 @@ class Scheduler:
             if not idle:
                 self.stepped.append(request)
                 stepped_rows.append(request.row)
-                stepped_pages.append(request.active_page_index)
+                stepped_pages.append(block_page)
 
         # three arrays made, their rows viewed (each array made costs more than its values)
         units = np.array([unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch], dtype=np.int64)
