@@ -101,8 +101,12 @@ def sampling_rows(
 def token_probability(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """softmax(logits)[tokens] in float32 (as the published rules compute it; one fused
     softmax is faster on CPU than a logsumexp and an exp, at any vocabulary size)."""
-    probs = (logits if logits.dtype == torch.float32 else logits.float()).softmax(-1)  # a no-op ``float`` is a dispatch
-    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return probabilities(logits).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """softmax(logits) in float32 (a no-op ``float`` would still cost a dispatch)."""
+    return (logits if logits.dtype == torch.float32 else logits.float()).softmax(-1)
 
 
 _NUMPY_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})  # numpy has no bfloat16
@@ -149,7 +153,7 @@ def greedy_on_host(logits: torch.Tensor, mask_id: int) -> tuple[np.ndarray, np.n
         others = scores[chose_mask]  # a copy
         others[:, mask_id] = -np.inf
         tokens[chose_mask] = others.argmax(-1)
-    probs = (logits if logits.dtype == torch.float32 else logits.float()).softmax(-1).numpy()
+    probs = probabilities(logits).numpy()
     vocab = probs.shape[-1]
     confidence = probs.reshape(-1, vocab)[np.arange(tokens.size), tokens.reshape(-1)]
     return tokens, confidence.reshape(tokens.shape)

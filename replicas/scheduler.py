@@ -222,7 +222,7 @@ class Scheduler:
             if allocation is None:
                 break  # FIFO: the head waits for pages, nobody overtakes it
             self.waiting.popleft()
-            request.cached_tokens = sum(map(len, request.prefix_keys[:depth])) if depth else 0
+            request.cached_tokens = sum(request.prefix_page_tokens[:depth])
             if self.cache is not None:
                 self.cache.count_lookup(request.prefix_pages, depth, request.cached_tokens)
             request.allocation = allocation
