@@ -16,24 +16,6 @@ from replicas.messages import GenerateChunk, SamplingParams
 from replicas.kv_cache import PageAllocation
 
 
-class cached_property:  # noqa: N801 (named as the functools one it replaces)
-    """``functools.cached_property`` without the lock Python 3.11's takes on every first
-    read (0.9 against 0.3 us a first read in a loop; a request reads eleven, and the
-    engine's replayed steps took ~50 us less at full batch). What it computes depends only
-    on fields that never change, so two threads reading it at once compute the same value."""
-
-    def __init__(self, compute: Callable[[Any], Any]):
-        self.compute = compute
-        self.name = compute.__name__
-        self.__doc__ = compute.__doc__
-
-    def __get__(self, request: Any, owner: type | None = None) -> Any:
-        if request is None:
-            return self
-        value = request.__dict__[self.name] = self.compute(request)  # read from the instance from now on
-        return value
-
-
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens reached
@@ -61,7 +43,7 @@ class Request:
     # blocks aligned to the sequence's start (EngineConfig.block_alignment 'prompt'): the
     # first answer block is the one holding the prompt's (or the resumed output's) end
     aligned: bool = False
-    # (the fields above never change: the cached properties below derive from them)
+    # (the fields above never change: the layout fields at the end derive from them)
 
     # where the request stands and what it produced: changed by the scheduler only
     # (replicas.scheduler), which applies each committed block (``replicas.output.BlockCommit``)
@@ -89,40 +71,56 @@ class Request:
     answer_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
-    @cached_property
-    def text_at_end(self) -> bool:
-        """A whole answer that no stop string needs the text of as it comes: its text is
-        decoded once, with the block that ends it."""
-        return self.whole and not self.params.stop
+    # the request's layout, derived at construction from the fields that never change (on
+    # the submitting thread, so that admission inside the engine's step only reads it)
+    text_at_end: bool = field(init=False)  # a whole answer no stop string needs the text of as it comes: decoded once, at its end
+    fixed_tokens: int = field(init=False)  # the prompt's and the resumed output's tokens
+    resumed_blocks: int = field(init=False)  # blocks of output it resumes with
+    prompt_pages: int = field(init=False)  # pages of the prompt (the last maybe partial); aligned: its full pages only
+    prefix_pages: int = field(init=False)  # pages prefilled before the first denoised block (prompt's, resumed blocks')
+    # tokens on each prefix page: full pages, but the prompt's last (unaligned)
+    prefix_page_tokens: tuple[int, ...] = field(init=False)
+    prefix_keys: tuple[tuple[int, ...], ...] = field(init=False)  # each prefix page's tokens: its prefix-cache key
+    head: int = field(init=False)  # prompt (or resumed) tokens at the start of the first denoised block (aligned only)
+    first_block_index: int = field(init=False)  # the block index denoising starts at (a continuation: after its resumed blocks)
+    # the answer's blocks sit right after the prompt's tokens (aligned blocks, or a prompt of
+    # whole pages): a later prompt repeating this prompt and answer continues its pages
+    answer_continues_prompt: bool = field(init=False)
+    suffix_pages: int = field(init=False)  # pages of an infill's text after the answer
+    max_blocks: int = field(init=False)  # answer blocks max_tokens allows
+    blocks_to_denoise: int = field(init=False)  # blocks the request can still take (each one page)
 
-    @cached_property
-    def prompt_pages(self) -> int:
-        """Pages of the prompt (the last one maybe partial); aligned: its full pages only."""
-        return prompt_pages(len(self.prompt_ids), self.block_length, self.aligned)
+    def __post_init__(self) -> None:
+        size, params, prompt = self.block_length, self.params, self.prompt_ids
+        resume_ids = params.resume_ids
+        self.text_at_end = self.whole and not params.stop
+        self.fixed_tokens = len(prompt) + len(resume_ids)
+        self.resumed_blocks = len(resume_ids) // size
+        self.prompt_pages = prompt_pages(len(prompt), size, self.aligned)
+        self.head = aligned_head(self.fixed_tokens, size, self.aligned)
+        self.max_blocks = blocks_needed(params.max_tokens, size)
+        self.suffix_pages = -(-len(params.suffix_ids) // size)
+        self.answer_continues_prompt = self.aligned or len(prompt) % size == 0
 
-    @cached_property
-    def fixed_tokens(self) -> int:
-        """Tokens the request starts with: its prompt and the output it resumes."""
-        return len(self.prompt_ids) + len(self.params.resume_ids)
+        def pages(ids: Sequence[int], count: int) -> list[tuple[int, ...]]:
+            return [tuple(ids[i * size:(i + 1) * size]) for i in range(count)]
 
-    @cached_property
-    def answer_continues_prompt(self) -> bool:
-        """Whether the answer's blocks sit right after the prompt's tokens in the sequence
-        (aligned blocks, or a prompt of whole pages), so that a later prompt repeating this
-        prompt and answer continues its pages (the prefix cache keeps committed blocks)."""
-        return self.aligned or len(self.prompt_ids) % self.block_length == 0
-
-    @cached_property
-    def head(self) -> int:
-        """Prompt (or resumed) tokens at the start of the first denoised block (aligned only)."""
-        return aligned_head(self.fixed_tokens, self.block_length, self.aligned)
-
-    @cached_property
-    def first_block_index(self) -> int:
-        """The block index the request starts denoising at (a continuation goes on from its resumed blocks)."""
-        if self.aligned:  # the answer's blocks start with the one holding the prompt's end
-            return self.prefix_pages - len(self.prompt_ids) // self.block_length
-        return self.resumed_blocks
+        if self.aligned:  # prompt and resumed ids run on without a gap, in whole pages
+            self.prefix_pages = self.fixed_tokens // size
+            self.prefix_page_tokens = (size,) * self.prefix_pages
+            self.prefix_keys = tuple(pages(prompt + list(resume_ids), self.prefix_pages))
+            # the answer's blocks start with the one holding the prompt's end
+            self.first_block_index = self.prefix_pages - len(prompt) // size
+            self.blocks_to_denoise = blocks_needed(self.head + params.max_tokens - len(resume_ids), size)
+        else:  # the prompt's pages (its last maybe partial), then the resumed blocks'
+            self.prefix_pages = self.prompt_pages + self.resumed_blocks
+            tokens = [size] * self.prefix_pages
+            if self.prompt_pages:
+                tokens[self.prompt_pages - 1] = len(prompt) - (self.prompt_pages - 1) * size
+            self.prefix_page_tokens = tuple(tokens)
+            self.prefix_keys = tuple(pages(prompt, self.prompt_pages) + pages(resume_ids, self.resumed_blocks))
+            self.first_block_index = self.resumed_blocks
+            self.blocks_to_denoise = self.max_blocks - self.resumed_blocks
 
     @property
     def answer_offset(self) -> int:
@@ -138,54 +136,6 @@ class Request:
     def deadline(self) -> float | None:
         timeout = self.params.timeout_s
         return None if timeout is None else self.arrival_time + timeout
-
-    @cached_property
-    def resumed_blocks(self) -> int:
-        return len(self.params.resume_ids) // self.block_length
-
-    @cached_property
-    def prefix_pages(self) -> int:
-        """Pages prefilled before the first denoised block: the prompt's and the resumed
-        blocks' (aligned: the whole pages of prompt + resumed output)."""
-        if self.aligned:
-            return self.fixed_tokens // self.block_length
-        return self.prompt_pages + self.resumed_blocks
-
-    @cached_property
-    def prefix_page_tokens(self) -> tuple[int, ...]:
-        """Tokens on each prefix page: full pages, except the prompt's last (unaligned)."""
-        tokens = [self.block_length] * self.prefix_pages
-        if not self.aligned and self.prompt_pages:
-            tokens[self.prompt_pages - 1] = len(self.prompt_ids) - (self.prompt_pages - 1) * self.block_length
-        return tuple(tokens)
-
-    @cached_property
-    def prefix_keys(self) -> tuple[tuple[int, ...], ...]:
-        """The tokens on each prefix page: the prefix cache's keys of the pages."""
-        size = self.block_length
-
-        def pages(ids: Sequence[int], count: int) -> list[tuple[int, ...]]:
-            return [tuple(ids[i * size:(i + 1) * size]) for i in range(count)]
-
-        if self.aligned:  # prompt and resumed ids run on without a gap, in whole pages
-            return tuple(pages(self.prompt_ids + list(self.params.resume_ids), self.prefix_pages))
-        # the prompt's pages (its last maybe partial), then the resumed blocks'
-        return tuple(pages(self.prompt_ids, self.prompt_pages) + pages(self.params.resume_ids, self.resumed_blocks))
-
-    @cached_property
-    def suffix_pages(self) -> int:
-        return -(-len(self.params.suffix_ids) // self.block_length)
-
-    @cached_property
-    def max_blocks(self) -> int:
-        return blocks_needed(self.params.max_tokens, self.block_length)
-
-    @cached_property
-    def blocks_to_denoise(self) -> int:
-        """Blocks the request can still take (each one page)."""
-        if self.aligned:
-            return blocks_needed(self.head + self.params.max_tokens - len(self.params.resume_ids), self.block_length)
-        return self.max_blocks - self.resumed_blocks
 
     def emit(self, output: GenerateChunk) -> None:
         if self.on_output is not None:
