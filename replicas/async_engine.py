@@ -90,7 +90,8 @@ class AsyncEngine:
 
         ``whole``: yield one chunk, the whole answer (as ``messages.joined`` makes of the
         blocks' chunks): the caller's event loop is woken once, not once a block (each
-        wake-up is a thread switch and a loop turn). ``on_progress(steps, tokens)`` then
+        wake-up is a thread switch and a loop turn), and decodes its text where the engine
+        left that to it (``Engine.with_answer_text``). ``on_progress(steps, tokens)`` then
         sees each block as it commits, in the engine's thread: it must be quick and must
         not raise.
 
@@ -113,7 +114,7 @@ class AsyncEngine:
             while not finished:
                 output = await queue.get()
                 finished = output.finished
-                yield output
+                yield self.engine.with_answer_text(output, params) if whole else output
         finally:
             if not finished:
                 self.engine.abort(request_id)

@@ -32,7 +32,7 @@ from replicas.kv_cache import KVCache, PagePool
 from replicas.logprobs import record_step
 from replicas.models import load_model, load_tokenizer
 from replicas.messages import (INFILL_NEEDS, GenerateChunk, RequestError, SamplingParams, request_problem,
-                               resume_problem)
+                               resume_problem, text_at_end)
 from replicas.output import BlockCommit, OutputProcessor
 from replicas.prefix_cache import PrefixCache
 from replicas.scheduled_batch import ScheduledBatch
@@ -150,7 +150,8 @@ class Engine:
                      on_progress: Callable[[int, int], None] | None = None) -> Request:
         """Validate and build a request (raises RequestError); does not enqueue it. ``whole``:
         ``on_output`` sees one chunk, the whole answer (as ``messages.joined`` makes of the
-        streamed chunks; without stop strings its text is decoded once, at the end), and
+        streamed chunks; without stop strings, without its text: the receiver decodes it with
+        ``with_answer_text``), and
         ``on_progress(steps, tokens)`` sees each block committed before, in the engine's
         thread (it must be quick and must not raise)."""
         params = params or SamplingParams()
@@ -179,10 +180,19 @@ class Engine:
             on_progress=on_progress,
             aligned=self.shape.aligned,
             output_ids=list(params.resume_ids),
-            detokenizer=self.outputs.detokenizer(params),
+            detokenizer=None if text_at_end(params, whole) else self.outputs.detokenizer(params),
             block_logprobs=None if params.logprobs is None else [None] * self.block_length,
         )
         return request
+
+    def with_answer_text(self, chunk: GenerateChunk, params: SamplingParams | None) -> GenerateChunk:
+        """``chunk``, the one chunk of a whole answer asked with ``params``, with its text
+        where the engine left that to the receiver (``messages.text_at_end``). Call it on the
+        receiving thread: the decoding stays out of the engine's steps."""
+        params = params or SamplingParams()
+        if chunk.finished and chunk.error is None and text_at_end(params, whole=True):
+            chunk.text = self.outputs.answer_text(params, chunk.token_ids)
+        return chunk
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None,
@@ -516,4 +526,4 @@ class Engine:
                     time.sleep(min(self.hold_s(), 0.01))
                 elif on_step is not None:
                     on_step(stats)
-        return [sink[-1] for sink in chunks]
+        return [self.with_answer_text(sink[-1], p) for sink, p in zip(chunks, params)]

@@ -90,6 +90,14 @@ class GenerateChunk:
         return cls(finished=True, error=message, error_kind="invalid_request")
 
 
+def text_at_end(params: SamplingParams, whole: bool) -> bool:
+    """Whether a request's text is decoded once, from all its ids, by whoever receives its
+    answer, on that thread (``Engine.with_answer_text``): a whole answer no stop string
+    cuts, whose text nothing in the engine's step needs (detokenizing leaves the engine's
+    loop, as it leaves vLLM's engine core)."""
+    return whole and not params.stop
+
+
 def joined(chunks: Sequence[GenerateChunk]) -> GenerateChunk:
     """A request's chunks as one (text and ids joined, the last chunk's counts and finish),
     or its first error chunk as it is."""

@@ -49,12 +49,19 @@ class OutputProcessor:
         (``params.resume_ids``), whose text was emitted before."""
         return Detokenizer(self.decode, params.stop, self.clean_up, params.resume_ids)
 
+    def answer_text(self, params: SamplingParams, answer_ids: Sequence[int]) -> str:
+        """The text of a ``text_at_end`` answer (its ids after the ones it resumed): what its
+        detokenizer emits fed them all at once. A function of the ids alone, so the answer's
+        receiver decodes it on its own thread."""
+        resumed = list(params.resume_ids)
+        return self.detokenizer(params).feed(resumed + list(answer_ids), len(resumed), final=True)[0]
+
     def commit_block(self, request: Request, block_ids: list[int],
                      logprobs: Sequence[TokenLogprob | None] | None = None) -> BlockCommit:
         """What appending a done block (its answer ids, ``logprobs`` aligned with them) to
         ``request``'s output adds, and whether it ends it (EOS, max_tokens, a stop string).
-        Advances the request's detokenizer (a ``text_at_end`` request's with its last block
-        only, all its text at once); the request itself is left to the scheduler."""
+        Advances the request's detokenizer (a ``text_at_end`` request has none: its receiver
+        decodes its text, ``answer_text``); the request itself is left to the scheduler."""
         params = request.params
         finish = None
         end = None
@@ -68,8 +75,8 @@ class OutputProcessor:
             block_ids = block_ids[:room]
             finish = FinishReason.LENGTH
         logprobs = None if logprobs is None else list(logprobs[:len(block_ids)])
-        if request.text_at_end and finish is None:
-            return BlockCommit(block_ids, "", None, logprobs)
+        if request.text_at_end:
+            return BlockCommit(block_ids, "", finish, logprobs)
         before = len(request.output_ids)
         output = request.output_ids + block_ids
         new_text, kept = request.detokenizer.feed(output, before, final=finish is not None)

@@ -12,7 +12,7 @@ from replicas.batching import Phase
 from replicas.detokenizer import Detokenizer
 from replicas.logprobs import TokenLogprob
 from replicas.limits import aligned_head, blocks_needed, prompt_pages
-from replicas.messages import GenerateChunk, SamplingParams
+from replicas.messages import GenerateChunk, SamplingParams, text_at_end
 from replicas.kv_cache import PageAllocation
 
 
@@ -73,7 +73,7 @@ class Request:
 
     # the request's layout, derived at construction from the fields that never change (on
     # the submitting thread, so that admission inside the engine's step only reads it)
-    text_at_end: bool = field(init=False)  # a whole answer no stop string needs the text of as it comes: decoded once, at its end
+    text_at_end: bool = field(init=False)  # its text is decoded by its receiver (``messages.text_at_end``)
     fixed_tokens: int = field(init=False)  # the prompt's and the resumed output's tokens
     resumed_blocks: int = field(init=False)  # blocks of output it resumes with
     prompt_pages: int = field(init=False)  # pages of the prompt (the last maybe partial); aligned: its full pages only
@@ -93,7 +93,7 @@ class Request:
     def __post_init__(self) -> None:
         size, params, prompt = self.block_length, self.params, self.prompt_ids
         resume_ids = params.resume_ids
-        self.text_at_end = self.whole and not params.stop
+        self.text_at_end = text_at_end(params, self.whole)
         self.fixed_tokens = len(prompt) + len(resume_ids)
         self.resumed_blocks = len(resume_ids) // size
         self.prompt_pages = prompt_pages(len(prompt), size, self.aligned)

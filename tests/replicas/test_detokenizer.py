@@ -96,6 +96,21 @@ def test_streamed_text_is_the_decode_of_the_returned_ids(text, block, stop, resu
     assert_exact(tokenizer, ids, block, stop, resume_blocks)
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.one_of(unicode_text, mixed_text), block=st.integers(1, 8), resume_blocks=st.integers(0, 2))
+@example(text="数字🙂", block=1, resume_blocks=1)
+def test_a_whole_answers_text_decoded_by_its_receiver_is_its_streamed_text(text, block, resume_blocks):
+    """A whole answer without stop strings leaves the engine without its text, and its
+    receiver decodes its ids at once (``OutputProcessor.answer_text``): the text its blocks
+    would have streamed, a continuation's too (less the text emitted before it)."""
+    tokenizer = byte_level_bpe()
+    ids = encode(tokenizer, text)
+    resume_blocks = min(resume_blocks, len(ids) // block)
+    pieces, returned, request = run(tokenizer, ids, block, resume_blocks=resume_blocks)
+    processor = OutputProcessor(tokenizer, frozenset({tokenizer.eos_token_id}))
+    assert processor.answer_text(request.params, returned[resume_blocks * block:]) == "".join(pieces)
+
+
 @settings(max_examples=60, deadline=None)
 @given(ids=st.lists(st.integers(2, 399), max_size=40), block=st.integers(1, 6))
 def test_any_ids_even_invalid_utf8(ids, block):
