@@ -58,7 +58,7 @@ class PagedAttentionContext:
         # when every unit is a whole page (denoise-only steps) the packed queries already
         # have the padded shape and need no scatter/gather
         self.pad_index = None
-        if not (counts == page_size).all():
+        if unit_start[-1] != self.units * page_size:  # (no unit has more than a page)
             token_unit = np.repeat(np.arange(self.units), counts)
             offset = np.arange(unit_start[-1]) - unit_start[token_unit]
             self.pad_index = to_device(torch.from_numpy(token_unit * page_size + offset), device)

@@ -268,7 +268,10 @@ class Engine:
         # the stepped blocks as the forward sees them, read on the host before it (6 against
         # 49 us after it, where the first host work pays for the caches the forward evicted)
         fed = self.rows.blocks(*batch.stepped_blocks)
-        kv_stale = (fed == self.spec.mask_token_id).any(-1).tolist()  # fed with masks: final KV still to write
+        # fed with masks: final KV still to write. (No numpy reduction such as ``any`` runs
+        # between two forwards: each forward evicts that code, and bringing it back cost a
+        # step ~25 us on a CPU host; see docs/benchmarks.md, eighteenth session.)
+        kv_stale = [self.spec.mask_token_id in block for block in fed.tolist()]
         forward_cpu = time.thread_time()
         try:
             logits, forward_timer = self.runner.forward(batch)

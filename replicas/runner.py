@@ -143,7 +143,13 @@ class ModelRunner:
         size, rows, offsets = self.block_length, self.rows, self._offsets
         unit_row, page_index, unit_count, unit_is_block, unit_scratch = self._units(batch, refreshed)
         flat_page = unit_row * rows.max_pages + page_index
-        whole = unit_count.min() == size  # whole pages only (denoise steps): no token to drop
+        unit_start = np.empty(unit_count.size + 1, dtype=np.int64)
+        unit_start[0] = 0
+        unit_count.cumsum(out=unit_start[1:])
+        # whole pages only (denoise steps): no token to drop. (Told by the total, as no unit
+        # has more than a page, and the key pages below by a Python max: no numpy reduction
+        # runs between forwards, see ``Engine._step``.)
+        whole = unit_start[-1] == size * unit_count.size
         valid = None if whole else offsets < unit_count[:, None]  # [U, L]
 
         def packed(per_unit: np.ndarray) -> np.ndarray:  # [U, L] -> the [T] fed tokens'
@@ -159,9 +165,6 @@ class ModelRunner:
         page = np.where(unit_scratch, PagePool.SCRATCH_PAGE, rows.page_table.reshape(-1)[flat_page])
         cache_positions = packed(self._page_positions[page])
 
-        unit_start = np.empty(unit_count.size + 1, dtype=np.int64)
-        unit_start[0] = 0
-        unit_count.cumsum(out=unit_start[1:])
         if self.full_canvas:  # every page of the row's canvas
             sees = rows.last_page[unit_row]
         elif self.bidirectional:  # every page of the row up to its active block
@@ -170,7 +173,7 @@ class ModelRunner:
             sees = top[unit_row]
         else:
             sees = page_index
-        key_pages = int(sees.max()) + 1
+        key_pages = max(sees.tolist()) + 1
         table = rows.page_table[unit_row, :key_pages]
         key_cache_positions = self._page_positions[table].reshape(-1, key_pages * size)
         # [U, pages, L] from page-level [U, pages, 1] and offset-level [U, 1, L] conditions
