@@ -62,7 +62,8 @@ class Request:
     num_steps: int = 0
     algorithm_state: Any = None
     output_ids: list[int] = field(default_factory=list)  # starts as ``params.resume_ids``
-    # its text so far: advanced by the output processor as blocks commit
+    # its text so far: advanced by the output processor as blocks commit (None where the
+    # receiver decodes the text, ``text_at_end``)
     detokenizer: Detokenizer | None = None
     # the active block's, when asked: filled in place by each step (``replicas.logprobs``)
     block_logprobs: list[TokenLogprob | None] | None = None
