@@ -139,7 +139,7 @@ class PrefixCache:
         request's deepest run now and how many pages it cached."""
         if len(keys) != len(pages):
             raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-        level = self._roots if run is None else run.children
+        level = self._children_of(run)
         if not keys or keys[0] in level:
             return run, 0
         if run is not None and run.refs == 1 and not run.children:  # its own leaf: extended in place
@@ -166,7 +166,7 @@ class PrefixCache:
             del run.keys[-take:], run.pages[-take:]
             if not run.pages:
                 del self._unreferenced[run]
-                del (self._roots if run.parent is None else run.parent.children)[first_key]
+                del self._children_of(run.parent)[first_key]
         self.num_unreferenced -= count
         self.num_pages -= count
         self.totals.evictions += count
@@ -177,11 +177,15 @@ class PrefixCache:
         self.totals.pages_hit += pages_hit
         self.totals.tokens_hit += tokens_hit
 
+    def _children_of(self, run: CachedRun | None) -> dict[Key, CachedRun]:
+        """The runs that continue ``run``, by their first page's tokens (None: the roots)."""
+        return self._roots if run is None else run.children
+
     def _split(self, run: CachedRun, at: int) -> CachedRun:
         """Split ``run`` after its first ``at`` pages; the new run of those, which its
         holders hold as they held ``run`` (``run`` keeps the rest, and its holders)."""
         head = CachedRun(run.keys[:at], run.pages[:at], run.parent, {run.keys[at]: run}, run.refs)
-        level = self._roots if run.parent is None else run.parent.children
+        level = self._children_of(run.parent)
         level[run.keys[0]] = head
         del run.keys[:at], run.pages[:at]
         run.parent = head

@@ -305,13 +305,9 @@ class Scheduler:
             if request.phase is Phase.PREFILL:
                 first = request.prefilled_pages
                 last = self._prefill_end(request, budget)
-                counts = request.prefix_page_tokens[first:last]  # a unit per page, added at once
-                budget -= sum(counts)
-                unit_row += [request.row] * len(counts)
-                unit_page_index += range(first, last)
-                unit_count += counts
-                unit_is_block += [False] * len(counts)
-                unit_scratch += [False] * len(counts)
+                for page_index, count in enumerate(request.prefix_page_tokens[first:last], first):
+                    budget -= count
+                    add_unit(request, page_index, count, False)
                 request.prefilled_pages = last
                 prompt_pages += last - first
                 if last > first:
