@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import socket
 import time
 
@@ -213,6 +214,23 @@ def deploy(config: AppConfig, address: str | None = None, request_path: LocalReq
                 http_options={"host": config.host, "port": config.port})
     serve.run(app, name=config.name, route_prefix="/")
     return start_metrics_actor(config)
+
+
+def start_failure(config: AppConfig) -> str | None:
+    """Why the app's deployments could not start, in one line: the last exception line of
+    what Serve reports (a replica constructor's error, e.g. a KV pool that the memory cannot
+    hold), or None where it reports none."""
+    try:
+        app = serve.status().applications.get(config.name)
+    except Exception as exc:  # Serve itself is gone
+        log.debug("no Serve status: %s", exc)
+        return None
+    for name, deployment in (app.deployments.items() if app is not None else ()):
+        errors = [line.strip() for line in (deployment.message or "").splitlines()
+                  if re.match(r"\s*[\w.()]+(Error|Exception)\b.*: ", line)]
+        if errors:
+            return f"{name} could not start: {errors[-1]}"
+    return None
 
 
 ADMITTING_WAIT_S = 120.0  # how long `up` waits for the ingress to hold every replica's first report

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ByteSize
 
 from replicas.batching import MODES
 from replicas.settings import EngineConfig
@@ -58,6 +58,8 @@ def _setting_flags(parser: argparse.ArgumentParser, settings: type[BaseModel], d
             options.update(type=kind, metavar=name.upper())
         elif get_origin(kind) is dict:
             options.update(type=_yaml_mapping, metavar="YAML")
+        elif kind is ByteSize:
+            options["metavar"] = "BYTES"  # a number, or with a unit: 512MiB, 8GiB
         else:
             options["metavar"] = name.upper()
         if name in choices:
@@ -269,6 +271,17 @@ def _check_model_default_algorithm(config, spec) -> None:
             raise ConfigError(f"replica.algorithm_params (for the model's default {name}): {exc}") from None
 
 
+def _check_pool_settings(replica, spec) -> None:
+    """A KV pool that the settings fix (``num_pages``, ``kv_cache_memory``) and that cannot
+    hold one request of ``max_model_len`` is refused before any process starts; one sized
+    from measured memory is checked by each replica at its start (``replicas.memory``)."""
+    from replicas.engine import torch_dtype
+    from replicas.memory import settled_pool
+    from replicas.settings import ServingShape
+
+    settled_pool(replica, spec, ServingShape.of(replica, spec), torch_dtype(replica))
+
+
 class StopSignals:
     """What SIGTERM and SIGINT have asked of `up`. Set from signal handlers, so plain flags
     that the main thread polls: a handler calling ``threading.Event.set`` deadlocked `up`
@@ -350,7 +363,7 @@ def cmd_up(args) -> int:
 
     import ray
 
-    from cluster.app import deploy, shutdown, wait_until_admitting
+    from cluster.app import deploy, shutdown, start_failure, wait_until_admitting
     from cluster.auth import load_keys
     from cluster.request_path import LocalRequestPath
     from replicas.models import check_checkpoint
@@ -358,6 +371,7 @@ def cmd_up(args) -> int:
     replica = config.replica
     spec = check_checkpoint(config.model, replica.lora, replica.model_overrides)  # before any process starts
     _check_model_default_algorithm(config, spec)
+    _check_pool_settings(replica, spec)
     keys = load_keys(config.api_key_file)  # the ingress replicas read them again, each in its process
     signals = StopSignals()
     print(f"starting dllm-serve: model {config.model_name}, {config.autoscaling.min_replicas}"
@@ -367,7 +381,14 @@ def cmd_up(args) -> int:
     if path is not None and path.note:
         print(f"note: {path.note}", flush=True)
     try:
-        metrics_url = deploy(config, args.address, path)
+        try:
+            metrics_url = deploy(config, args.address, path)
+        except RuntimeError:  # Serve's "failed to deploy": say why in one line where it knows
+            failure = start_failure(config)
+            if failure is None:
+                raise
+            print(f"dllm-serve: error: {failure}", file=sys.stderr, flush=True)
+            return 1
         print(wait_until_admitting(config), flush=True)
         # after ray.init, which installs handlers of its own: SIGTERM drains, then stops;
         # SIGINT (even when started in the background, where it arrives ignored) stops at once
@@ -404,7 +425,11 @@ def cmd_status(args) -> int:
     from replicas.reports import ReplicaView
 
     status = cluster_status(args.address)
+    views = {replica: ReplicaView.model_validate(raw) for replica, raw in sorted(status["replicas"].items())}
     if args.json:
+        for replica, view in views.items():  # the KV pool's shares, which the stats hold as page counts
+            status["replicas"][replica] |= {"kv_cache_usage": view.kv_cache_usage,
+                                            "prefix_cache_share": view.prefix_cache_share}
         print(json.dumps(status, indent=2, default=str))
         return 0
     for name, app in status["applications"].items():
@@ -415,13 +440,21 @@ def cmd_status(args) -> int:
         print("no Serve application is running")
     print(f"{'replica':<12}{'running':>8}{'waiting':>8}{'free pages':>12}{'step debt':>11}{'drain s':>9}{'row-steps/s':>13}"
           f"{'cached':>8}{'prefix hits':>13}")
-    for replica, raw in sorted(status["replicas"].items()):
-        view = ReplicaView.model_validate(raw)
+    for replica, view in views.items():
         hits = f"{view.prefix_hit_rate:.0%}" if view.prefix_pages_looked_up else "-"
         print(f"{replica:<12}{view.running:>8}{view.waiting:>8}{view.free_pages:>7}/{view.total_pages:<4}"
               f"{view.step_debt:>11.0f}{view.predicted_drain_s:>9.2f}{view.row_steps_per_s:>13.0f}"
               f"{view.cached_pages:>8}{hits:>13}")
+    print(f"{'KV pool':<12}{'pages':>8}{'size':>12}{'usage':>8}{'prefix cache':>14}{'max_model_len':>15}")
+    for replica, view in views.items():
+        print(f"{replica:<12}{view.total_pages:>8}{_size(view.kv_cache_bytes):>12}{view.kv_cache_usage:>8.1%}"
+              f"{view.prefix_cache_share:>14.1%}{view.max_model_len:>15}")
     return 0
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in GiB from 1 GiB up, else in MiB."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def cmd_render(args) -> int:

@@ -384,20 +384,21 @@ class Ingress:
             prompt_ids = prompt
         suffix_ids = self._suffix_ids(body)
         max_tokens = self._max_tokens(body.output_limit)
+        max_model_len = self.max_model_len
         if max_tokens <= 0:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        if max_tokens > self.shape.max_model_len:
-            raise bad_request(f"max_tokens {max_tokens} is over this model's limit of {self.shape.max_model_len}",
+        if max_tokens > max_model_len:
+            raise bad_request(f"max_tokens {max_tokens} is over this model's limit of {max_model_len}",
                               param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         if body.output_limit is None:  # the default: at most what fits beside this prompt
-            room = room_for_output(len(prompt_ids), block, self.shape.max_model_len, len(suffix_ids))
+            room = room_for_output(len(prompt_ids), block, max_model_len, len(suffix_ids))
             if room < 1:
                 what = "the messages as the chat template renders them leave" if chat else "the prompt leaves"
                 raise bad_request(f"{what} no room for an answer ({len(prompt_ids)} tokens): this model "
-                                  f"serves at most {self.shape.max_model_len} positions in blocks of {block}",
+                                  f"serves at most {max_model_len} positions in blocks of {block}",
                                   param="messages" if chat else "prompt", code="context_length_exceeded")
             max_tokens = min(max_tokens, room)
-        problem = request_problem(prompt_ids, max_tokens, self.spec, self.shape.max_model_len, suffix_ids=suffix_ids)
+        problem = request_problem(prompt_ids, max_tokens, self.spec, max_model_len, suffix_ids=suffix_ids)
         if problem is not None:  # a chat's prompt is its messages as the chat template renders them
             message = f"the messages as the chat template renders them: {problem.message}" if chat else problem.message
             raise bad_request(message, param="messages" if chat else "prompt",
@@ -468,6 +469,13 @@ class Ingress:
             params = {**params, "seed": secrets.randbits(63)}
         return name, params
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest request the replicas serve: the settings' bound, or less where a
+        replica's memory cut it at start (the least that a reporting replica serves)."""
+        cut = [view.max_model_len for view in self.admission.view.values() if view.max_model_len]
+        return min(self.shape.max_model_len, *cut) if cut else self.shape.max_model_len
+
     def _max_tokens(self, output_limit: int | None) -> int:
         """A request's max_tokens (or max_completion_tokens), else the server's default."""
         return output_limit if output_limit is not None else self.config.default_max_tokens
@@ -475,7 +483,7 @@ class Ingress:
     def _refuse_output_bound(self, output_limit: int | None, n: int, prompts: int, deadline_s: float | None) -> None:
         """429 where admission refuses the request's output blocks alone (``n`` choices of
         ``prompts`` prompts), before its prompt is tokenized (its pages are charged later)."""
-        limit = min(max(self._max_tokens(output_limit), 1), self.shape.max_model_len)
+        limit = min(max(self._max_tokens(output_limit), 1), self.max_model_len)
         blocks = blocks_needed(limit, self.shape.block_length)
         self._refuse_if(self.admission.quick_refusal(blocks * n * prompts, deadline_s))
 

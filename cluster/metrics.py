@@ -105,6 +105,10 @@ METRICS = (
     MetricSpec("dllm_free_pages", Gauge, "KV pages held by no request (a page holds one block): unused, or cached and unreferenced"),
     MetricSpec("dllm_total_pages", Gauge, "KV pages usable by requests"),
     MetricSpec("dllm_cached_pages", Gauge, "KV pages in the prefix cache (held by requests or not)"),
+    MetricSpec("dllm_kv_cache_usage", Gauge, "Share of the usable KV pages held by requests (0-1; a cached page no request holds counts as free), as vLLM's kv_cache_usage_perc"),
+    MetricSpec("dllm_prefix_cache_share", Gauge, "Share of the usable KV pages in the prefix cache (0-1; held by requests or not)"),
+    MetricSpec("dllm_kv_cache_bytes", Gauge, "Bytes of the KV pool's K and V tensors"),
+    MetricSpec("dllm_max_model_len", Gauge, "The longest prompt + output (tokens) a replica serves"),
     MetricSpec("dllm_prefix_pages_looked_up_total", Counter, "Prompt (prefix) pages of admitted requests looked up in the prefix cache"),
     MetricSpec("dllm_prefix_pages_hit_total", Counter, "Prefix pages found in the prefix cache (not computed again)"),
     MetricSpec("dllm_prefix_tokens_hit_total", Counter, "Prompt tokens whose KV came from the prefix cache"),
@@ -122,7 +126,7 @@ METRICS = (
     MetricSpec("dllm_replicas", Gauge, "Replicas that reported recently (replicas.reports.stale_after_s: 10 s or 20 stats periods)", ()),
 )
 
-# gauge name -> key of the replica's routing stats
+# gauge name -> field (or property) of the replica's routing stats (``ReplicaStats``)
 _GAUGE_SOURCES = {
     "dllm_step_queue_length": "waiting",
     "dllm_running_requests": "running",
@@ -132,6 +136,10 @@ _GAUGE_SOURCES = {
     "dllm_free_pages": "free_pages",
     "dllm_total_pages": "total_pages",
     "dllm_cached_pages": "cached_pages",
+    "dllm_kv_cache_usage": "kv_cache_usage",
+    "dllm_prefix_cache_share": "prefix_cache_share",
+    "dllm_kv_cache_bytes": "kv_cache_bytes",
+    "dllm_max_model_len": "max_model_len",
     "dllm_quality_level": "quality_level",
 }
 # counter name -> key of the replica's routing stats holding its total since the start

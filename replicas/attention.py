@@ -41,6 +41,19 @@ class BatchLayout:
     key_valid: torch.Tensor  # [U, Kmax] False for unused positions (partial prompt page, padding)
 
 
+GROUP_KEYS = 1 << 15  # keys one group of units gathers at once (``unit_groups``)
+
+
+def unit_groups(units: int, key_width: int) -> list[tuple[int, int]]:
+    """Ranges of units attended together. Each unit gathers ``key_width`` keys' K and V
+    from the cache, so a step of many units over long rows (a prompt chunk at 32K
+    positions: 512 units of 4 tokens) would gather gigabytes at once; groups of at most
+    ``GROUP_KEYS`` keys (or one unit) bound a step's memory whatever the context length.
+    A step of short rows is one group."""
+    size = max(1, GROUP_KEYS // max(key_width, 1))
+    return [(start, min(start + size, units)) for start in range(0, units, size)]
+
+
 class PagedAttentionContext:
     """Torch SDPA over gathered pages, one attention row per unit (CPU and fallback)."""
 
@@ -63,16 +76,14 @@ class PagedAttentionContext:
             offset = np.arange(unit_start[-1]) - unit_start[token_unit]
             self.pad_index = to_device(torch.from_numpy(token_unit * page_size + offset), device)
         self.mask = to_device(layout.key_valid.reshape(self.units, 1, 1, -1), device)  # [U, 1, 1, Kmax]
+        self.groups = unit_groups(self.units, layout.key_cache_positions.shape[1])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q[T, H, D]``, ``k``/``v[T, Hkv, D]`` -> ``[T, H, D]``."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         k_cache.index_copy_(0, self.cache_positions, k.to(k_cache.dtype))
         v_cache.index_copy_(0, self.cache_positions, v.to(v_cache.dtype))
-        units, span = self.key_cache_positions.shape
-        flat_positions = self.key_cache_positions.view(-1)
-        keys = k_cache.index_select(0, flat_positions).view(units, span, *k_cache.shape[1:]).transpose(1, 2)
-        values = v_cache.index_select(0, flat_positions).view(units, span, *v_cache.shape[1:]).transpose(1, 2)
+        units = self.units
         heads, dim = q.shape[1], q.shape[2]
         if self.pad_index is None:
             padded = q
@@ -80,12 +91,24 @@ class PagedAttentionContext:
             padded = q.new_zeros(units * self.page_size, heads, dim)
             padded[self.pad_index] = q
         padded = padded.view(units, self.page_size, heads, dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            padded, keys.to(q.dtype), values.to(q.dtype), attn_mask=self.mask,
-            enable_gqa=heads != keys.shape[1],
-        )
+        if len(self.groups) == 1:
+            out = self._attend_units(padded, k_cache, v_cache, self.key_cache_positions, self.mask)
+        else:
+            out = torch.cat([self._attend_units(padded[a:b], k_cache, v_cache, self.key_cache_positions[a:b],
+                                                self.mask[a:b]) for a, b in self.groups])
         out = out.transpose(1, 2).reshape(units * self.page_size, heads, dim)
         return out if self.pad_index is None else out[self.pad_index]
+
+    @staticmethod
+    def _attend_units(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      key_cache_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """SDPA of units' queries ``[u, H, L, D]`` over their keys gathered from the cache."""
+        units, span = key_cache_positions.shape
+        flat_positions = key_cache_positions.reshape(-1)
+        keys = k_cache.index_select(0, flat_positions).view(units, span, *k_cache.shape[1:]).transpose(1, 2)
+        values = v_cache.index_select(0, flat_positions).view(units, span, *v_cache.shape[1:]).transpose(1, 2)
+        return F.scaled_dot_product_attention(queries, keys.to(queries.dtype), values.to(queries.dtype),
+                                              attn_mask=mask, enable_gqa=queries.shape[1] != keys.shape[1])
 
 
 class DenseAttentionContext:

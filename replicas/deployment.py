@@ -160,7 +160,9 @@ class EngineReplica:
     def _refresh_gauges(self) -> None:
         scheduler, pool, cache = self.engine.scheduler, self.engine.pool, self.engine.pool.cache
         self.monitor.set_gauges(waiting=len(scheduler.waiting), running=len(scheduler.running),
-                                free_pages=pool.num_unheld, total_pages=pool.capacity)
+                                free_pages=pool.num_unheld, total_pages=pool.capacity,
+                                kv_cache_bytes=self.engine.runner.kv_cache.nbytes,
+                                max_model_len=self.engine.shape.max_model_len)
         if self.quality is not None:  # the level also comes back when no adaptive request arrives
             self.monitor.set_gauges(quality_level=self.quality.observe(self.monitor.predicted_drain_s()))
         if cache is not None:

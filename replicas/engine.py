@@ -28,9 +28,11 @@ import torch
 from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
 from replicas.cost_model import OnlineCostModel
 from replicas.devices import to_device
-from replicas.kv_cache import KVCache, PagePool
+from replicas.attention import resolve_backend
+from replicas.kv_cache import PagePool
 from replicas.logprobs import record_step
 from replicas.models import load_model, load_tokenizer
+from replicas.memory import allocate_pool, plan_pool
 from replicas.messages import (INFILL_NEEDS, GenerateChunk, RequestError, SamplingParams, request_problem,
                                resume_problem, text_at_end)
 from replicas.output import BlockCommit, OutputProcessor
@@ -84,15 +86,20 @@ class Engine:
         self.tokenizer = tokenizer
         self._encode = text_encoder(tokenizer)
         self.block_length = size = spec.block_length
-        self.shape = shape = ServingShape.of(config, spec)
+        wanted = ServingShape.of(config, spec)  # validates the settings before anything is sized
         default_name, default_params = resolve_algorithm(config, spec)
         get_algorithm(default_name).make_params(default_params)  # validate early
         device = torch.device(config.device)
         dtype = torch_dtype(config)
         self.model = model.to(device=device, dtype=dtype).eval()
+        refreshes = spec.bidirectional or spec.shift_logits or config.kv_cache == "none"
+        self.memory = plan_pool(self.model, config, spec, wanted,
+                                resolve_backend(config.attention_backend, device, dtype), refreshes)
+        log.info("%s", self.memory.summary())
+        self.shape = shape = ServingShape.of(config, spec, self.memory)
         self.pool = PagePool(shape.num_pages, PrefixCache() if shape.prefix_cache else None)
         self.rows = RowTable(config.max_batch, shape.max_pages_per_request, size, pad_id=spec.eos_token_id)
-        kv_cache = KVCache(spec.num_layers, shape.num_pages, size, spec.num_kv_heads, spec.head_dim, dtype, device)
+        kv_cache = allocate_pool(spec, self.memory, dtype, device)
         self.runner = ModelRunner(self.model, self.rows, kv_cache, device, config.kv_cache,
                                   config.attention_backend, shape.canvas)
         self.cost_model = OnlineCostModel(config.max_batch, clock=clock)
@@ -103,7 +110,7 @@ class Engine:
         self.outputs = OutputProcessor(tokenizer, spec.end_token_ids)
         self.totals = EngineTotals()
         self._requests: dict[str, Request] = {}
-        self._deadlines: list[tuple[float, int, Request]] = []  # heap of (deadline, arrival order, request)
+        self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, arrival order, request id)
         self._inbox: list[Request | Abort] = []  # from any thread; applied at the next step
         self._inbox_lock = threading.Lock()
         self._ids = itertools.count()
@@ -255,6 +262,8 @@ class Engine:
                 self._fail(request, f"the replica's engine step failed: {type(exc).__name__}: {exc}",
                            replica_fault=True)
             return None
+        finally:
+            self.scheduler.end_step()
         self.failed_steps_in_a_row = 0
         return stats
 
@@ -435,7 +444,7 @@ class Engine:
                     self.cost_model.observe_arrival(item.arrival_time)
                     self._requests[item.request_id] = item
                     if item.deadline is not None:
-                        heapq.heappush(self._deadlines, (item.deadline, next(self._arrivals), item))
+                        heapq.heappush(self._deadlines, (item.deadline, next(self._arrivals), item.request_id))
                     self.scheduler.add(item)
             except Exception as exc:
                 log.exception("engine inbox: the %s of request %s failed",
@@ -444,13 +453,15 @@ class Engine:
                     self._fail(item, f"the replica could not queue the request: {exc}", replica_fault=True)
 
     def _expire(self) -> None:
-        """End the requests past their deadline (``SamplingParams.timeout_s``); those that
-        ended otherwise just leave the heap."""
+        """End the requests past their deadline (``SamplingParams.timeout_s``); the heap
+        holds their ids, and those of requests that ended otherwise just leave it."""
         now = self.clock()
         while self._deadlines and self._deadlines[0][0] <= now:
-            request = heapq.heappop(self._deadlines)[2]
-            if self._requests.pop(request.request_id, None) is None:
+            deadline, _, request_id = heapq.heappop(self._deadlines)
+            request = self._requests.get(request_id)
+            if request is None or request.deadline != deadline:  # ended, or its id is a later request's now
                 continue
+            del self._requests[request_id]
             self._end(request, FinishReason.TIMEOUT,
                       f"the request ran past its deadline of {request.params.timeout_s:g} s", "timeout")
             self.totals.requests_timed_out += 1

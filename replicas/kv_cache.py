@@ -125,3 +125,8 @@ class KVCache:
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K and V tensors of every layer."""
+        return sum(tensor.nbytes for tensor in (*self.k, *self.v))

@@ -91,8 +91,8 @@ class ReplicaMonitor:
             self._block_steps.extend(stats.block_steps[: self.max_samples - len(self._block_steps)])
 
     def set_gauges(self, **gauges: float) -> None:
-        """Current queue lengths, pages and prefix-cache counts, read from the engine by the
-        replica (``replicas.reports.ReplicaStats`` names them)."""
+        """Current queue lengths, the KV pool's pages and size and prefix-cache counts, read
+        from the engine by the replica (``replicas.reports.ReplicaStats`` names them)."""
         with self._lock:
             self._gauges.update(gauges)
 

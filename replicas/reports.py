@@ -5,7 +5,7 @@ those); each side builds the record from the dict once, where it arrives, and re
 fields, never keys. Missing fields take their defaults, so a report from an older
 replica still reads; a field the record does not know is refused at the producer.
 
-* ``ReplicaStats``: a replica's load, step-cost model, pages and identity; sent to Serve's
+* ``ReplicaStats``: a replica's load, step-cost model, KV pool and identity; sent to Serve's
   router (``record_routing_stats``) and with every push to the metrics actor.
 * ``ReplicaView``: the same, with its age, as the metrics actor hands it to the ingresses.
 * ``IngressReport``: an ingress replica's totals since it started, once per stats period.
@@ -57,7 +57,9 @@ class ReplicaStats(BaseModel):
     waiting: int = 0
     running: int = 0
     free_pages: int = 0  # held by no request: unused, or cached and unreferenced
-    total_pages: int = 0
+    total_pages: int = 0  # usable by requests
+    kv_cache_bytes: int = 0  # the pool's K and V tensors (the scratch page's included)
+    max_model_len: int = 0  # the longest prompt + output (tokens) it serves
     # the prefix cache (``replicas.prefix_cache``): pages in it now; totals since the start
     cached_pages: int = 0
     prefix_pages_looked_up: int = 0
@@ -69,6 +71,17 @@ class ReplicaStats(BaseModel):
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_pages_hit / self.prefix_pages_looked_up if self.prefix_pages_looked_up else 0.0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of the usable pages held by requests (a cached page no request holds counts
+        as free), as vLLM's ``kv_cache_usage_perc``."""
+        return (self.total_pages - self.free_pages) / self.total_pages if self.total_pages else 0.0
+
+    @property
+    def prefix_cache_share(self) -> float:
+        """Share of the usable pages in the prefix cache (held by requests or not)."""
+        return self.cached_pages / self.total_pages if self.total_pages else 0.0
 
     @property
     def drain_rate(self) -> float:

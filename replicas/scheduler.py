@@ -62,9 +62,10 @@ class Scheduler:
         self.mask_id = mask_id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.scheduled: list[Request] = []  # the requests of the last batch's rows
+        # the step's requests, from ``schedule()`` to ``end_step()``
+        self.scheduled: list[Request] = []  # the requests of the batch's rows
         self.stepped: list[Request] = []  # those whose block it steps, in block-unit order
-        # (request, first, end page index, a committed block's ids): pages whose final KV the last batch writes
+        # (request, first, end page index, a committed block's ids): pages whose final KV the batch writes
         self._written: list[tuple[Request, int, int, tuple[int, ...] | None]] = []
         self.cache = pool.cache
         self._block_starts: list[tuple[int, int, int, int]] = []  # (row, page index, page, kept tokens)
@@ -104,6 +105,11 @@ class Scheduler:
             return self._build_batch()
         finally:
             self._write_block_starts()
+
+    def end_step(self) -> None:
+        """Let go of the step's requests (after its outcome is booked, or it failed), so
+        that one that ended is kept by nothing, also while no step follows."""
+        self.scheduled, self.stepped, self._written = [], [], []
 
     def update_from_step(self, commits: Sequence[BlockCommit | None], kv_stale: Sequence[bool] | None = None,
                          block_ids: Sequence[Sequence[int]] | None = None) -> None:

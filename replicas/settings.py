@@ -11,12 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 from replicas.batching import SchedulerMode
 from replicas.limits import max_request_cost
 
 if TYPE_CHECKING:
+    from replicas.memory import PoolSize
     from replicas.models.spec import ModelSpec
 
 
@@ -26,10 +27,25 @@ class EngineConfig(BaseModel):
     mode: SchedulerMode = Field(SchedulerMode.FDFO, description="scheduler mode (replicas.batching)")
     max_batch: int = Field(16, ge=1, le=1024, description="rows per denoise step")
     num_pages: int | None = Field(
-        None, ge=2, description="KV pages (default: enough for max_batch requests of max_model_len)")
+        None, ge=2, description="KV pages, exactly (default: sized from memory, see memory_utilization; a page "
+                                "holds one block of every layer's K and V)")
+    memory_utilization: float | None = Field(
+        None, gt=0, le=1,
+        description="share of the device's memory this replica may use for its weights, the largest step's "
+                    "activations and the KV pool, measured at start after loading the weights and running that "
+                    "step (vLLM's gpu_memory_utilization); on a CPU, of the machine's memory (default: 0.9 on an "
+                    "accelerator; on a CPU the pool gets kv_cache_memory's default instead)")
+    kv_cache_memory: ByteSize | None = Field(
+        None, gt=0,
+        description="bytes for the KV pool, e.g. 8GiB or 512MiB, instead of what memory_utilization leaves "
+                    "(default on a CPU: a quarter of the memory available at start, at most 4GiB); the pool "
+                    "never takes more pages than max_batch requests of max_model_len need")
     max_tokens_per_step: int | None = Field(
         None, ge=1, description="new-token bound per step: every row's block and, with fused_commit, the write of its last committed block always run (so it is at least max_batch x block length, twice that with fused_commit), prompt chunks fill the rest (default: max(2048, 2 x max_batch x block length))")
-    max_model_len: int | None = Field(None, ge=1, description="longest prompt + output (default: the model's limit)")
+    max_model_len: int | None = Field(
+        None, ge=1, description="longest prompt + output (default: the model's limit, cut to what the KV pool holds "
+                                "for one request, with a log line; a value given here that the pool cannot hold "
+                                "stops the replica at start)")
     device: str = Field("cpu", description="torch device ('cpu', 'cuda')")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="weights and KV dtype (default: bfloat16 on CUDA, float32 elsewhere)")
@@ -88,10 +104,13 @@ class ServingShape:
     prefix_cache: bool  # in force: configured, and the model's prefix KV is exact to reuse
 
     @classmethod
-    def of(cls, config: EngineConfig, spec: ModelSpec) -> ServingShape:
-        """Raises ValueError for settings the model cannot serve."""
+    def of(cls, config: EngineConfig, spec: ModelSpec, pool: PoolSize | None = None) -> ServingShape:
+        """Raises ValueError for settings the model cannot serve. ``pool``: the pool's pages
+        and the longest request, as the replica's memory decided them (``replicas.memory``);
+        without it, what the settings alone give (the pages ``max_batch`` requests of
+        ``max_model_len`` need: an upper bound, as the ingress reads it)."""
         size = spec.block_length
-        max_model_len = config.max_model_len or spec.max_positions
+        max_model_len = pool.max_model_len if pool is not None else config.max_model_len or spec.max_positions
         if max_model_len > spec.max_positions:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {spec.max_positions} positions")
         pages = max_model_len // size
@@ -112,7 +131,8 @@ class ServingShape:
         # a page's KV depends on the pages before it alone: no row is ever refreshed (replicas.runner)
         prefix_cache = (config.prefix_cache and config.kv_cache == "prefix" and not spec.bidirectional
                         and not spec.shift_logits)
-        return cls(size, max_model_len, pages, config.num_pages or config.max_batch * pages + 1, budget, canvas,
+        num_pages = pool.num_pages if pool is not None else config.num_pages or config.max_batch * pages + 1
+        return cls(size, max_model_len, pages, num_pages, budget, canvas,
                    aligned, max_request_cost(max_model_len, size), prefix_cache)
 
 

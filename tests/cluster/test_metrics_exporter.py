@@ -1,9 +1,13 @@
 """The exporter turns replica reports into Prometheus series."""
 
+import argparse
+import json
+import re
 import time
 
 from prometheus_client import generate_latest
 
+from cluster.cli import cmd_status
 from cluster.http_tally import Tally
 from cluster.metrics import METRICS, MetricsExporter
 from replicas.monitor import ReplicaMonitor
@@ -87,6 +91,45 @@ def test_prefix_cache_totals_become_counters_of_what_is_new():
     assert sample(text, "dllm_prefix_evictions_total", 'replica="r1"') == 1
     assert sample(text, "dllm_cached_pages", 'replica="r1"') == 9
     assert exporter.cluster_view()["r1"]["prefix_pages_hit"] == 20
+
+
+def kv_pool_exporter() -> MetricsExporter:
+    """An exporter that heard from two replicas: r1 has 100 usable pages, 30 held by
+    requests and 20 in the prefix cache (5 of them held: 70 held by no request), a pool of
+    1.5 GiB and max_model_len 4096; r2 has not reported its pool yet."""
+    monitor = ReplicaMonitor(initial_row_steps_per_s=100.0)
+    monitor.set_gauges(free_pages=70, total_pages=100, cached_pages=20, kv_cache_bytes=3 * 2**29, max_model_len=4096)
+    exporter = MetricsExporter()
+    exporter.push_replica("r1", monitor.report())
+    exporter.push_replica("r2", ReplicaMonitor(initial_row_steps_per_s=100.0).report())
+    return exporter
+
+
+def test_the_kv_pool_becomes_its_usage_prefix_cache_share_and_size():
+    """Usage counts the cached pages no request holds as free (vLLM's kv_cache_usage_perc);
+    the prefix cache's share counts all its pages."""
+    text = generate_latest(kv_pool_exporter().registry).decode()
+    assert sample(text, "dllm_kv_cache_usage", 'replica="r1"') == 0.3
+    assert sample(text, "dllm_prefix_cache_share", 'replica="r1"') == 0.2
+    assert sample(text, "dllm_kv_cache_bytes", 'replica="r1"') == 3 * 2**29
+    assert sample(text, "dllm_max_model_len", 'replica="r1"') == 4096
+    assert sample(text, "dllm_total_pages", 'replica="r1"') == 100
+    assert sample(text, "dllm_kv_cache_usage", 'replica="r2"') == 0 == sample(text, "dllm_prefix_cache_share", 'replica="r2"')
+
+
+def test_dllm_serve_status_shows_each_replicas_kv_pool(monkeypatch, capsys):
+    exporter = kv_pool_exporter()
+    monkeypatch.setattr("cluster.app.cluster_status",
+                        lambda address: {"applications": {}, "replicas": exporter.cluster_view()})
+    assert cmd_status(argparse.Namespace(address="auto", json=False)) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"^KV pool\s+pages\s+size\s+usage\s+prefix cache\s+max_model_len$", table, re.M), table
+    assert re.search(r"^r1\s+100\s+1\.5 GiB\s+30\.0%\s+20\.0%\s+4096$", table, re.M), table
+    assert re.search(r"^r2\s+0\s+0\.0 MiB\s+0\.0%\s+0\.0%\s+0$", table, re.M), table
+    assert cmd_status(argparse.Namespace(address="auto", json=True)) == 0
+    r1 = json.loads(capsys.readouterr().out)["replicas"]["r1"]
+    assert (r1["total_pages"], r1["kv_cache_bytes"], r1["max_model_len"]) == (100, 3 * 2**29, 4096)
+    assert (r1["kv_cache_usage"], r1["prefix_cache_share"]) == (0.3, 0.2)
 
 
 def test_the_ingress_http_tally_becomes_a_counter_and_a_histogram_of_what_is_new():

@@ -261,11 +261,16 @@ def test_64_concurrent_requests_on_two_replicas_match_offline_accuracy(cluster):
     responses = asyncio.run(post_all(cluster.base_url, bodies, concurrency=64, retries=10))
     assert [r.status_code for r in responses] == [200] * len(bodies)
     payloads = [r.json() for r in responses]
-    replicas = set(json.loads(_status(cluster, "--json"))["replicas"])
+    views = json.loads(_status(cluster, "--json"))["replicas"]
+    replicas = set(views)
     assert {p["dllm"]["replica"] for p in payloads} == replicas
-    table = _status(cluster)  # the table a person reads: one row per replica, its prefix cache included
+    assert all(0 <= v["kv_cache_usage"] <= 1 and v["kv_cache_bytes"] > 0 and v["max_model_len"] > 0
+               for v in views.values()), views
+    table = _status(cluster)  # the table a person reads: one row per replica, its prefix cache included ...
     assert "prefix hits" in table and all(re.search(rf"^{r}\s+\d+\s+\d+\s+\d+/\d+.*\d+\s+(\d+%|-)$", table, re.M)
                                           for r in replicas)
+    assert all(re.search(rf"^{r}\s+\d+\s+\d+\.\d [MG]iB\s+\d+\.\d%\s+\d+\.\d%\s+\d+$", table, re.M)
+               for r in replicas), table  # ... and its KV pool
     assert len({p["dllm"]["replica"] for p in payloads}) == 2
     http_outputs = [GenerateChunk(p["choices"][0]["text"]) for p in payloads]
     http_accuracy = score(requests, http_outputs)["request_accuracy"]

@@ -16,6 +16,7 @@ from cluster.config import ReplicaSettings, load_config
 from cluster.errors import APIError
 from replicas.deployment import EngineReplica
 from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams, request_problem
+from replicas.reports import ReplicaStats
 from replicas.settings import EngineConfig, resolve_algorithm
 
 
@@ -31,8 +32,12 @@ def example_argv(action: argparse.Action) -> tuple[list[str], object]:
         return [f"--no-{flag[2:]}"], False
     if action.choices:
         return [flag, action.choices[-1]], action.choices[-1]
-    if action.type in (int, float):
-        return [flag, "3"], action.type("3")
+    if action.type is int:
+        return [flag, "3"], 3
+    if action.type is float:  # a share too (memory_utilization)
+        return [flag, "0.5"], 0.5
+    if action.metavar == "BYTES":
+        return [flag, "3MiB"], 3 << 20
     if action.metavar == "YAML":
         return [flag, "{threshold: 0.5}"], {"threshold": 0.5}
     return [flag, "x"], "x"
@@ -146,6 +151,16 @@ def test_replica_streams_chunks_and_refuses_with_the_shared_message(replica):
     bad = asyncio.run(_chunks(replica, GenerateRequest("bad", [1, spec.mask_token_id], SamplingParams(16))))
     expected = request_problem([1, spec.mask_token_id], 16, spec, replica.engine.shape.max_model_len).message
     assert bad == [GenerateChunk.refusal(expected)]
+
+
+def test_the_replica_reports_its_kv_pool(replica):
+    """Its stats carry the pool's pages and bytes (every layer's K and V, the scratch page's
+    included) and the max_model_len in force."""
+    engine, spec = replica.engine, replica.engine.spec
+    stats = ReplicaStats.model_validate(asyncio.run(replica.record_routing_stats()))
+    page_bytes = spec.block_length * spec.num_kv_heads * spec.head_dim * engine.runner.kv_cache.k[0].element_size()
+    assert stats.kv_cache_bytes == 2 * spec.num_layers * engine.pool.num_pages * page_bytes
+    assert (stats.total_pages, stats.max_model_len) == (engine.pool.capacity, engine.shape.max_model_len)
 
 
 @pytest.mark.parametrize("prompt_ids,max_tokens", [

@@ -69,6 +69,8 @@ def test_every_dashboard_query_returns_data_under_load(observed):
         load.join(timeout=120)
     assert not missing, f"dashboard queries without data: {missing}; load got {dict(load.codes)}"
     assert load.codes[200] and load.codes[429], f"load got {dict(load.codes)}: both admissions and refusals needed"
+    usage = query(prometheus, "max(max_over_time(dllm_kv_cache_usage[5m]))")["data"]["result"]
+    assert usage and 0 < float(usage[0]["value"][1]) <= 1, f"KV cache usage under load: {usage}"
     for expr in dashboard_variable_queries():
         assert query(prometheus, expr)["data"]["result"], f"variable query {expr} lists nothing"
 
