@@ -88,7 +88,7 @@ class Dream(DllmAlgorithm):
         noise = [state.noise for state in states]
         probs = _probabilities(logits, params)
         tokens = _tokens(logits, probs, mask_id, params, noise)
-        ratio, last = _transfer_ratio(params, states)
+        ratio, last = _transfer_ratio(params, states, block.device)
         quota = torch.where(last, remaining, (remaining.float() * ratio).long())
         chosen = torch.zeros_like(masked)
         for alg in {p.alg for p in params}:
@@ -148,15 +148,16 @@ def _confidence(alg: str, probs: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     return (probs * torch.log(probs + ENTROPY_EPSILON)).sum(-1)  # entropy
 
 
-def _transfer_ratio(params: Sequence[DreamParams], states: Sequence[DreamState]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: 1 - s/t of its current step on Dream's float32 time grid, and whether the
-    step is its last scheduled one (which unmasks everything left)."""
+def _transfer_ratio(params: Sequence[DreamParams], states: Sequence[DreamState],
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, on ``device``: 1 - s/t of its current step on Dream's float32 time grid, and
+    whether the step is its last scheduled one (which unmasks everything left)."""
     ratios, last = [], []
     for p, state in zip(params, states):
         i = min(state.steps_taken, p.steps - 1)
         ratios.append(_transfer_ratios(p.steps, p.eps)[i])
         last.append(i == p.steps - 1)
-    return torch.stack(ratios), torch.tensor(last)
+    return torch.stack(ratios).to(device), torch.tensor(last, device=device)
 
 
 @functools.lru_cache(maxsize=64)

@@ -167,9 +167,12 @@ def cmd_bench(args) -> int:
     if args.target == "engine":
         from loadgen.bench.engine import bench_engine
 
+        paced_by = None if args.hidden is None else dict(hidden=args.hidden, layers=args.layers, heads=args.heads,
+                                                         vocab=args.vocab)
         result = bench_engine(args.model, num_requests=args.requests, max_batch=args.max_batch, rounds=args.rounds,
                               workload=args.workload,
-                              on_fdfo_run=_calibration_writer(args.calibration, args.max_batch))
+                              on_fdfo_run=_calibration_writer(args.calibration, args.max_batch),
+                              device=args.device, dtype=args.dtype, paced_by=paced_by)
     elif args.target == "prefix":
         from loadgen.bench.prefix import bench_prefix
 
@@ -180,11 +183,11 @@ def cmd_bench(args) -> int:
     elif args.target == "forward":
         from loadgen.bench.forward import bench_forward
 
-        heads = max(1, args.d_model // 64)
+        heads = args.heads or max(1, args.d_model // 64)
         shape = {"llada": dict(d_model=args.d_model, layers=args.layers, heads=heads, mlp=int(args.d_model * 2.75)),
-                 "sdar": dict(hidden=args.d_model, layers=args.layers, heads=heads)}
+                 "sdar": dict(hidden=args.d_model, layers=args.layers, heads=heads, vocab=args.vocab)}
         result = bench_forward(tuple(args.architectures), tuple(args.batch_sizes), args.prompt_len, args.max_tokens,
-                               args.steps, args.rounds, **shape)
+                               args.steps, args.rounds, device=args.device, dtype=args.dtype, **shape)
     elif args.target == "canvas":
         from loadgen.bench.canvas import bench_canvas
 
@@ -572,6 +575,12 @@ def _add_engine_commands(commands) -> None:
     render.set_defaults(func=cmd_render)
 
 
+def _add_device_options(target) -> None:
+    target.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the engine runs (default cpu)")
+    target.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="weights, activations and KV (default: bfloat16 on cuda, float32 on cpu)")
+
+
 def _add_engine_benches(targets) -> None:
     """bench engine, policies, quality, canvas and prefix: benchmarks of the engine itself."""
     from loadgen.bench.quality import FACTORS, THRESHOLDS
@@ -585,6 +594,17 @@ def _add_engine_benches(targets) -> None:
                         help="default: 0 to 12 blanks a puzzle; hard: 8 to 12, so blocks take more steps")
     engine.add_argument("--calibration", metavar="FILE",
                         help="also write the simulator's calibration (step cost, step counts) here")
+    engine.add_argument("--hidden", type=int,
+                        help="pace every forward by a random SDAR of this hidden size: each mode's run of the model "
+                             "is recorded once, and the timed runs replay its answers while that model's forward "
+                             "runs in its place (same steps and tokens, a larger model's cost); 2048 with the "
+                             "defaults below is SDAR-1.7B's shape (default: no pacing, the model's own forward)")
+    engine.add_argument("--layers", type=int, default=28, help="the pacing SDAR's layers (default 28)")
+    engine.add_argument("--heads", type=int, default=16,
+                        help="its attention heads (default 16; half as many KV heads, heads of hidden/heads, an FFN "
+                             "of 3 x hidden)")
+    engine.add_argument("--vocab", type=int, default=151936, help="its vocabulary (default 151936)")
+    _add_device_options(engine)
     policies = targets.add_parser(
         "policies", help="static, sync, fixed_fill and fdfo latency and goodput under one Poisson load")
     policies.add_argument("--requests", type=int, default=300, help="requests (default 300)")
@@ -653,6 +673,12 @@ def _add_engine_benches(targets) -> None:
     forward.add_argument("--d-model", type=int, default=512,
                          help="hidden size (default 512; heads of 64; LLaDA keeps its vocabulary of 126464)")
     forward.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    forward.add_argument("--heads", type=int,
+                         help="attention heads (default: d-model / 64; SDAR has half as many KV heads)")
+    forward.add_argument("--vocab", type=int, default=32768,
+                         help="SDAR's vocabulary (default 32768; --d-model 2048 --layers 28 --heads 16 --vocab 151936 "
+                              "is SDAR-1.7B's shape)")
+    _add_device_options(forward)
     forward.add_argument("--json", action="store_true", help="one JSON object on one line")
     forward.set_defaults(func=cmd_bench)
 

@@ -41,16 +41,23 @@ class BatchLayout:
     key_valid: torch.Tensor  # [U, Kmax] False for unused positions (partial prompt page, padding)
 
 
-GROUP_KEYS = 1 << 15  # keys one group of units gathers at once (``unit_groups``)
+GROUP_BYTES = {"cuda": 1 << 30}  # K and V one group of units gathers at once (``unit_groups``), by device type
+DEFAULT_GROUP_BYTES = 256 << 20
 
 
-def unit_groups(units: int, key_width: int) -> list[tuple[int, int]]:
+def keys_per_group(kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """How many keys' K and V one group gathers at most."""
+    budget = GROUP_BYTES.get(device.type, DEFAULT_GROUP_BYTES)
+    return max(1, budget // (2 * kv_heads * head_dim * dtype.itemsize))
+
+
+def unit_groups(units: int, key_width: int, group_keys: int) -> list[tuple[int, int]]:
     """Ranges of units attended together. Each unit gathers ``key_width`` keys' K and V
     from the cache, so a step of many units over long rows (a prompt chunk at 32K
-    positions: 512 units of 4 tokens) would gather gigabytes at once; groups of at most
-    ``GROUP_KEYS`` keys (or one unit) bound a step's memory whatever the context length.
-    A step of short rows is one group."""
-    size = max(1, GROUP_KEYS // max(key_width, 1))
+    positions: 512 units of 4 tokens) would gather tens of gigabytes at once; groups of at
+    most ``group_keys`` keys (or one unit) bound a step's memory whatever the context
+    length. A step of short rows is one group."""
+    size = max(1, group_keys // max(key_width, 1))
     return [(start, min(start + size, units)) for start in range(0, units, size)]
 
 
@@ -76,7 +83,9 @@ class PagedAttentionContext:
             offset = np.arange(unit_start[-1]) - unit_start[token_unit]
             self.pad_index = to_device(torch.from_numpy(token_unit * page_size + offset), device)
         self.mask = to_device(layout.key_valid.reshape(self.units, 1, 1, -1), device)  # [U, 1, 1, Kmax]
-        self.groups = unit_groups(self.units, layout.key_cache_positions.shape[1])
+        _, kv_heads, head_dim = k_cache[0].shape
+        self.groups = unit_groups(self.units, layout.key_cache_positions.shape[1],
+                                  keys_per_group(kv_heads, head_dim, k_cache[0].dtype, device))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q[T, H, D]``, ``k``/``v[T, Hkv, D]`` -> ``[T, H, D]``."""

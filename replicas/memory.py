@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from replicas.attention import GROUP_KEYS, BatchLayout, paged_context
+from replicas.attention import BatchLayout, keys_per_group, paged_context
 from replicas.kv_cache import KVCache
 from replicas.models.spec import ModelSpec
 from replicas.settings import EngineConfig, ServingShape
@@ -135,12 +135,12 @@ def measure_peak(device: torch.device, run: Callable[[], None]) -> int:
 
 
 # ---- the largest step ---------------------------------------------------------------------
-def largest_step(shape: ServingShape, max_batch: int, refreshes: bool) -> tuple[int, int, int]:
+def largest_step(shape: ServingShape, max_batch: int, refreshes: bool, group_keys: int) -> tuple[int, int, int]:
     """(tokens, key width, keys beyond) of the profiled step: the scheduler's token budget,
     its units seeing as many keys together as one attention group gathers
-    (``attention.unit_groups``: at most ``GROUP_KEYS``) so that the attention's peak is the
+    (``attention.unit_groups``: at most ``group_keys``), so that the attention's peak is the
     one of any context length, without its cost; "keys beyond": what one unit of
-    ``max_model_len`` keys gathers past ``GROUP_KEYS`` (its own group), added by bytes.
+    ``max_model_len`` keys gathers past ``group_keys`` (its own group), added by bytes.
     A refreshing model's steps can be larger (every row's whole sequence): ``plan_pool``
     scales those by page."""
     size = shape.block_length
@@ -149,7 +149,7 @@ def largest_step(shape: ServingShape, max_batch: int, refreshes: bool) -> tuple[
         tokens = min(tokens, max_batch * shape.max_pages_per_request * size)
     tokens = tokens // size * size
     longest = shape.max_pages_per_request * size
-    return tokens, min(longest, max(size, GROUP_KEYS // (tokens // size))), max(0, longest - GROUP_KEYS)
+    return tokens, min(longest, max(size, group_keys // (tokens // size))), max(0, longest - group_keys)
 
 
 def profile_step(model: torch.nn.Module, spec: ModelSpec, tokens: int, rows: int, key_width: int,
@@ -217,7 +217,8 @@ def plan_pool(model: torch.nn.Module, config: EngineConfig, spec: ModelSpec, wan
             pages, wanted.max_model_len, per_page,
             f"a CPU's default: {CPU_DEFAULT_KV_SHARE:g} of the {available / GiB:.1f} GiB available, at most "
             f"{CPU_DEFAULT_KV_BYTES / GiB:g} GiB", weights))
-    tokens, key_width, keys_beyond = largest_step(wanted, config.max_batch, refreshes)
+    group_keys = keys_per_group(spec.num_kv_heads, spec.head_dim, dtype, device)
+    tokens, key_width, keys_beyond = largest_step(wanted, config.max_batch, refreshes, group_keys)
     try:
         peak = measure_peak(device, lambda: profile_step(model, spec, tokens, config.max_batch, key_width, backend,
                                                          device, dtype))

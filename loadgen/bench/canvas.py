@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from loadgen.bench.device import built_on
 from replicas.engine import Engine, EngineConfig
 from replicas.messages import SamplingParams
 from replicas.models.llada import LLaDAConfig, LLaDAModelLM
@@ -32,11 +33,12 @@ class IdsOnly:
 
 
 def random_llada(d_model: int = 2048, layers: int = 16, heads: int = 16, mlp: int = 5632,
-                 vocab: int = LLADA_VOCAB, seed: int = 0) -> LLaDAModelLM:
+                 vocab: int = LLADA_VOCAB, seed: int = 0, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> LLaDAModelLM:
     torch.manual_seed(seed)
     config = LLaDAConfig(d_model=d_model, n_heads=heads, n_layers=layers, mlp_hidden_size=mlp, vocab_size=vocab,
                          max_sequence_length=4096, mask_token_id=LLADA_MASK_ID, eos_token_id=LLADA_EOS_ID)
-    return LLaDAModelLM(config).eval()
+    return built_on(device, dtype, lambda: LLaDAModelLM(config))
 
 
 def run_canvas(net, canvas: str, batch: int, prompt_len: int, max_tokens: int, steps: int) -> dict:

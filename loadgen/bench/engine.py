@@ -9,10 +9,13 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from torch import nn
 
 from loadgen.bench.closed_batch_model import ClosedRequest, closed_batch_seconds
+from loadgen.bench.device import BenchDevice, synchronize
 from loadgen.bench.evaluation import score, tiny_params
-from loadgen.bench.replayed_forward import RecordedForward, ReplayDiverged
+from loadgen.bench.prefix import random_sdar
+from loadgen.bench.replayed_forward import PacedReplay, RecordedForward, ReplayDiverged
 from replicas.cost_model import fit_step_cost
 from replicas.engine import Engine, EngineConfig
 from replicas.heap import settle_after_start_up
@@ -30,11 +33,14 @@ REPLAYS = 3  # replays of the recorded fdfo run (``replayed_host_ms_per_step_p50
 def run_closed_batch(engine: Engine, prompts: list, params) -> tuple[list, list, float]:
     """Submit everything at once, step until done; returns outputs, step stats, wall seconds.
     An earlier run's engine is cyclic garbage: it is collected before the clock starts, not
-    in the middle of this run."""
+    in the middle of this run. The clock starts and stops with the device idle (on CUDA,
+    the engine's set-up, e.g. its pool's zeros, is queued work)."""
     steps = []
     gc.collect()
+    synchronize(engine.config.device)
     start = time.perf_counter()
     outputs = engine.generate(prompts, params, on_step=steps.append)
+    synchronize(engine.config.device)
     return outputs, steps, time.perf_counter() - start
 
 
@@ -49,7 +55,8 @@ def fit_forward_cost(steps) -> tuple[float, float]:
 
 
 def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 16, rounds: int = 3,
-                 workload: str = "default", on_fdfo_run: Callable[[list, list], None] | None = None) -> dict:
+                 workload: str = "default", on_fdfo_run: Callable[[list, list], None] | None = None,
+                 device: str = "cpu", dtype: str | None = None, paced_by: dict | None = None) -> dict:
     """Tokens per second of each mode on the same heterogeneous tiny-task workload.
 
     The default workload mixes 1 to 6 puzzles per request with 0 to 12 blanks per puzzle,
@@ -76,31 +83,54 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     ``c0 + c1 * tokens`` fitted to the run's forwards; ``efficiency_vs_ideal``: measured /
     ideal. ``on_fdfo_run(step_stats, outputs)`` receives the first fdfo run (e.g. to fit
     a calibration).
+
+    The engine runs on ``device`` in ``dtype`` (None: bfloat16 on CUDA, float32 on a CPU),
+    with the KV pool ``max_batch`` requests of the model's length need on any device.
+    ``paced_by``: ``random_sdar``'s shape (e.g. ``hidden=2048, layers=28, heads=16,
+    vocab=151936``: SDAR-1.7B's) for a random model whose forward runs in the model's place
+    (``PacedReplay``): each configuration's run is recorded once with the model, then every
+    timed run replays it paced by that forward, so the modes make the model's steps and
+    tokens (its accuracy and histograms) at a model of that size's cost.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {sorted(WORKLOADS)}")
+    place = BenchDevice(device, dtype)
     requests = task.make_requests(num_requests, BENCH_SEED, blank_weights=WORKLOADS[workload])
-    net, tokenizer = load_model(model), load_tokenizer(model)
+    net, tokenizer = load_model(model, place.torch_dtype, device), load_tokenizer(model)
+    pacer = None if paced_by is None else random_sdar(**paced_by, device=device, dtype=place.torch_dtype)
     settle_after_start_up()  # as a serving replica does: no full collection traverses start-up's objects
     params = tiny_params()
-    configs = {mode: EngineConfig(mode=mode, max_batch=max_batch, fdfo_fill_hold=False) for mode in BENCH_MODES}
-    configs[SEPARATE_KV] = EngineConfig(max_batch=max_batch, fdfo_fill_hold=False, fused_commit=False)
+    configs = {mode: place.engine_config(net.spec, mode=mode, max_batch=max_batch, fdfo_fill_hold=False)
+               for mode in BENCH_MODES}
+    configs[SEPARATE_KV] = place.engine_config(net.spec, max_batch=max_batch, fdfo_fill_hold=False,
+                                               fused_commit=False)
     warm_up = Engine(net, tokenizer, configs["fdfo"])
     # token ids, as a replica gets them from the ingress: tokenizing is not the engine's work
     prompts = warm_up.encode([r.prompt for r in requests])
     run_closed_batch(warm_up, prompts[:max_batch], params)
+    recorded: dict[str, tuple[RecordedForward, list]] = {}  # paced: each configuration's recording and outputs
+    if pacer is not None:  # the pacer's warm-up, then the recordings
+        warm_up_recording, _ = _record(net, tokenizer, configs["fdfo"], prompts[:max_batch], params)
+        run_closed_batch(Engine(PacedReplay(warm_up_recording, pacer), tokenizer, configs["fdfo"]), prompts[:max_batch],
+                         params)
+        recorded = {label: _record(net, tokenizer, config, prompts, params) for label, config in configs.items()}
     runs: dict[str, list[dict]] = {label: [] for label in configs}
     for round_index in range(rounds):
         for label, config in configs.items():
-            outputs, steps, wall = run_closed_batch(Engine(net, tokenizer, config), prompts, params)
+            runner = net if pacer is None else PacedReplay(recorded[label][0], pacer)
+            outputs, steps, wall = run_closed_batch(Engine(runner, tokenizer, config), prompts, params)
+            if pacer is not None:
+                _check_replayed(outputs, recorded[label][1])
             if label == "fdfo" and round_index == 0 and on_fdfo_run is not None:
                 on_fdfo_run(steps, outputs)
             runs[label].append({"outputs": outputs, "steps": steps, "wall": wall, **score(requests, outputs)})
 
     result: dict = {"workload": workload, "requests": num_requests, "max_batch": max_batch, "rounds": rounds,
-                    "accuracy": {}, "tokens_per_forward": {}, "forwards_per_block_histogram": {}}
+                    "accuracy": {}, "tokens_per_forward": {}, "forwards_per_block_histogram": {}, **place.report()}
+    if pacer is not None:
+        result["paced_by"] = {**paced_by, "parameters": sum(p.numel() for p in pacer.parameters())}
     for label, label_runs in runs.items():
         first = label_runs[0]
         result[f"{label}_tokens_per_s"] = round(statistics.median(_tokens_per_s(r) for r in label_runs), 1)
@@ -116,8 +146,10 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     result["forward_ms_per_step_p50"] = round(statistics.median(s.forward_s for s in steps) * 1e3, 3)
     result["overhead_ms_per_step_p50_at_full_batch"] = round(statistics.median(
         [s.overhead_s for s in steps if s.batch_size == max_batch] or [0.0]) * 1e3, 3)
+    recording, recorded_outputs = recorded.get("fdfo") or _record(net, tokenizer, configs["fdfo"], prompts, params)
+    replayed = recording if pacer is None else PacedReplay(recording, pacer, run_pacer=False)
     result["replayed_host_ms_per_step_p50_at_full_batch"] = round(
-        _replayed_host_s(net, tokenizer, configs["fdfo"], prompts, params) * 1e3, 3)
+        _replayed_host_s(replayed, recording, recorded_outputs, tokenizer, configs["fdfo"], prompts, params) * 1e3, 3)
     result["fused_commit_speedup"], result["fused_commit_speedup_spread"] = _median_ratio(fdfo, runs[SEPARATE_KV])
 
     c0, c1 = fit_forward_cost([s for label_runs in runs.values() for s in label_runs[0]["steps"]])
@@ -138,18 +170,28 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     return result
 
 
-def _replayed_host_s(net, tokenizer, config: EngineConfig, prompts: list[str], params) -> float:
-    """Median over ``REPLAYS`` replays of a recorded run of its steps' host time (step less
-    forward) at full batch; raises ``ReplayDiverged`` unless each replay gives the recorded
-    run's tokens."""
-    recorder = RecordedForward(net)
-    recorded, _, _ = run_closed_batch(Engine(recorder, tokenizer, config), prompts, params)
+def _record(net: nn.Module, tokenizer, config: EngineConfig, prompts: list, params) -> tuple[RecordedForward, list]:
+    """A recording of ``net``'s run of ``prompts`` under ``config``, and the run's outputs."""
+    recording = RecordedForward(net)
+    outputs, _, _ = run_closed_batch(Engine(recording, tokenizer, config), prompts, params)
+    return recording, outputs
+
+
+def _check_replayed(replayed: list, recorded: list) -> None:
+    if [o.token_ids for o in replayed] != [o.token_ids for o in recorded]:
+        raise ReplayDiverged("a replay committed other tokens than the recorded run")
+
+
+def _replayed_host_s(replayed: nn.Module, recording: RecordedForward, recorded: list, tokenizer,
+                     config: EngineConfig, prompts: list, params) -> float:
+    """Median over ``REPLAYS`` runs of ``replayed`` (a replay of ``recording``, whose run gave
+    ``recorded``) of their steps' host time (step less forward) at full batch; raises
+    ``ReplayDiverged`` unless each replay gives the recorded run's tokens."""
     host = []
     for _ in range(REPLAYS):
-        recorder.replay()
-        replayed, steps, _ = run_closed_batch(Engine(recorder, tokenizer, config), prompts, params)
-        if [o.token_ids for o in replayed] != [o.token_ids for o in recorded]:
-            raise ReplayDiverged("a replay committed other tokens than the recorded run")
+        recording.replay()
+        outputs, steps, _ = run_closed_batch(Engine(replayed, tokenizer, config), prompts, params)
+        _check_replayed(outputs, recorded)
         host.append(statistics.median([s.overhead_s for s in steps if s.batch_size == config.max_batch] or [0.0]))
     return statistics.median(host)
 

@@ -14,22 +14,25 @@ recomputes each row's sequence, as the published generate() does without one) on
 weights with ``fixed_steps``, recording every forward's seconds and tokens; the reference
 then runs the same shapes. Rounds alternate which goes first, and the ratio (project /
 reference forward seconds; under 1 is faster) is the median over the rounds, with its
-spread. Random weights: what is measured is the work, not the answers.
+spread. Random weights: what is measured is the work, not the answers. Both sides run on
+the bench's device and are timed alike (``replicas.runner.ForwardTimer``: CUDA events on
+a GPU, the wall clock on a CPU).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from loadgen.bench.canvas import IdsOnly, random_llada
+from loadgen.bench.device import BenchDevice
 from loadgen.bench.prefix import random_sdar
-from replicas.engine import Engine, EngineConfig
+from replicas.engine import Engine
 from replicas.messages import SamplingParams
 from replicas.models.transformer import DecoderLM
+from replicas.runner import ForwardTimer
 
 # architecture -> (model builder, canvas): LLaDA on its full canvas, SDAR block by block
 ARCHITECTURES = {"llada": (random_llada, "full"), "sdar": (random_sdar, "block")}
@@ -57,13 +60,13 @@ def reference_logits(net: DecoderLM, ids: torch.Tensor, block_causal: int | None
     the dense SwiGLU architectures with separate q/k/v projections (LLaDA, Dream, SDAR)."""
     shape, body = net.shape, net.model
     batch, length = ids.shape
-    positions = torch.arange(length)
+    positions = torch.arange(length, device=ids.device)
     mask = None
     if block_causal is not None:
         block = positions // block_causal
         mask = block[None, :] <= block[:, None]
     dim = shape.rotary_dim or shape.head_dim
-    inv_freq = 1.0 / shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv_freq = 1.0 / shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=ids.device) / dim)
     angles = positions[:, None].float() * inv_freq
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     eps = shape.rms_norm_eps
@@ -94,11 +97,11 @@ def reference_logits(net: DecoderLM, ids: torch.Tensor, block_causal: int | None
 
 
 def project_forwards(net: DecoderLM, canvas: str, batch: int, prompt_len: int, max_tokens: int,
-                     steps: int) -> list[tuple[float, int]]:
+                     steps: int, place: BenchDevice = BenchDevice()) -> list[tuple[float, int]]:
     """(seconds, tokens per row) of every forward the engine runs for ``batch`` requests at
     once (the tokens each row feeds, as the runner built them: without a cache, its sequence)."""
-    engine = Engine(net, IdsOnly(), EngineConfig(
-        max_batch=batch, canvas=canvas, kv_cache="none", fdfo_fill_hold=False,
+    engine = Engine(net, IdsOnly(), place.engine_config(
+        net.spec, max_batch=batch, canvas=canvas, kv_cache="none", fdfo_fill_hold=False,
         max_model_len=prompt_len + max_tokens + 64, algorithm="fixed_steps", algorithm_params={"steps": steps}))
     prompts = [[1 + (i * 37 + r * 101) % (net.shape.vocab_size // 2) for i in range(prompt_len)] for r in range(batch)]
     lengths, seconds = [], []
@@ -116,29 +119,37 @@ def project_forwards(net: DecoderLM, canvas: str, batch: int, prompt_len: int, m
 
 
 def reference_forwards(net: DecoderLM, canvas: str, batch: int, shapes: list[int]) -> list[float]:
-    """Seconds of the reference forward at each sequence length in ``shapes``."""
+    """Seconds of the reference forward at each sequence length in ``shapes``, on the
+    model's device, timed as the engine times its forwards."""
     block = None if canvas == "full" else net.spec.block_length
+    device = next(net.parameters()).device
     seconds = []
     for length in shapes:
-        ids = torch.randint(0, net.shape.vocab_size, (batch, length))
-        start = time.perf_counter()
+        ids = torch.randint(0, net.shape.vocab_size, (batch, length), device=device)
+        timer = ForwardTimer(device)
         reference_logits(net, ids, block)
-        seconds.append(time.perf_counter() - start)
+        seconds.append(timer.stop().seconds())
     return seconds
 
 
 def bench_forward(architectures=("llada", "sdar"), batch_sizes=(1, 8), prompt_len: int = 64,
-                  max_tokens: int = 128, steps: int = 4, rounds: int = 3, **shape) -> dict:
+                  max_tokens: int = 128, steps: int = 4, rounds: int = 3, device: str = "cpu",
+                  dtype: str | None = None, **shape) -> dict:
+    """The report per architecture and batch size; ``shape``: each architecture's builder's
+    keywords (``llada=dict(d_model=...)``, ``sdar=dict(hidden=...)``). Both sides run on
+    ``device`` in ``dtype`` (None: bfloat16 on CUDA, float32 on a CPU)."""
+    place = BenchDevice(device, dtype)
     report = {"prompt_len": prompt_len, "max_tokens": max_tokens, "steps_per_block": steps, "rounds": rounds,
-              "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads(), **place.report()}
     for name in architectures:
         build, canvas = ARCHITECTURES[name]
-        net = build(**shape.get(name, {}))
+        net = build(**shape.get(name, {}), device=device, dtype=place.torch_dtype)
         entry = {"parameters": sum(p.numel() for p in net.parameters()), "canvas": canvas,
                  "block_length": net.spec.block_length}
         for batch in batch_sizes:
             # the shapes every run has, and a warm-up of both sides (allocator, weights paged in)
-            shapes = [length for _, length in project_forwards(net, canvas, batch, prompt_len, max_tokens, steps)]
+            shapes = [length for _, length in project_forwards(net, canvas, batch, prompt_len, max_tokens, steps,
+                                                               place)]
             reference_forwards(net, canvas, batch, shapes)
             ratios, project_ms, reference_ms = [], [], []
             for r in range(rounds):
@@ -146,7 +157,7 @@ def bench_forward(architectures=("llada", "sdar"), batch_sizes=(1, 8), prompt_le
                 for side in ("project", "reference") if r % 2 == 0 else ("reference", "project"):
                     if side == "project":
                         measured[side] = [s for s, _ in project_forwards(net, canvas, batch, prompt_len, max_tokens,
-                                                                           steps)]
+                                                                           steps, place)]
                     else:
                         measured[side] = reference_forwards(net, canvas, batch, shapes)
                 ratios.append(sum(measured["project"]) / sum(measured["reference"]))

@@ -4,7 +4,8 @@ no forward, and one that feeds other tokens than the recording fails its request
 import pytest
 
 from loadgen.bench.evaluation import tiny_params
-from loadgen.bench.replayed_forward import RecordedForward
+from loadgen.bench.prefix import random_sdar
+from loadgen.bench.replayed_forward import PacedReplay, RecordedForward
 from replicas.engine import Engine, EngineConfig
 from replicas.models import load_model, load_tokenizer
 from replicas.tiny import task
@@ -44,3 +45,23 @@ def test_a_replay_that_feeds_other_tokens_fails_its_requests(recorded):
     # a longer first prompt: other tokens in the first forward (the engine fails a broken forward's rows)
     [answer] = Engine(recorder, tokenizer, config).generate([prompts[0] + prompts[1]], tiny_params())
     assert "forward 0 of the replay fed" in answer.error and not answer.token_ids
+
+
+
+@pytest.mark.parametrize("run_pacer", [True, False], ids=["paced", "no forward"])
+def test_a_paced_replay_gives_the_recorded_tokens_with_the_pacers_forward(recorded, monkeypatch, run_pacer):
+    """The engine sees the recorded model's spec with the pacer's KV shape and vocabulary,
+    and commits the recorded tokens (the pacer's logits beyond the recorded vocabulary are
+    -inf); the pacer runs once per forward (none without ``run_pacer``), the recorded
+    model never."""
+    recorder, tokenizer, config, prompts, outputs = recorded
+    pacer = random_sdar(hidden=32, layers=1, heads=2, vocab=200)
+    paced_forwards = []
+    pacer_forward = pacer.forward
+    monkeypatch.setattr(pacer, "forward", lambda *args: paced_forwards.append(args) or pacer_forward(*args))
+    monkeypatch.setattr(recorder.model, "forward", lambda *args: pytest.fail("a replay ran the recorded model"))
+    paced = PacedReplay(recorder, pacer, run_pacer)
+    assert (paced.spec.vocab_size, paced.spec.num_layers, paced.spec.block_length) == (200, 1, 16)
+    replayed = Engine(paced, tokenizer, config).generate(prompts, tiny_params())
+    assert [o.token_ids for o in replayed] == [o.token_ids for o in outputs]
+    assert len(paced_forwards) == (len(recorder.recorded) if run_pacer else 0)

@@ -83,13 +83,15 @@ def test_a_share_of_memory_measures_the_largest_step_and_refuses_a_budget_too_sm
 def test_the_profiled_step_bounds_the_attention_not_its_cost():
     spec = load_model("tiny").spec
     shape = ServingShape.of(EngineConfig(max_batch=8), spec)
-    tokens, key_width, beyond = largest_step(shape, 8, refreshes=False)
-    assert tokens == shape.token_budget and tokens // spec.block_length * key_width <= max(
-        attention.GROUP_KEYS, tokens)
+    tokens, key_width, beyond = largest_step(shape, 8, refreshes=False, group_keys=4096)
+    assert tokens == shape.token_budget and tokens // spec.block_length * key_width <= max(4096, tokens)
     assert beyond == 0
     long = ServingShape(4, 32768, 8192, 0, 2048, "block", True, 1, True)  # SDAR at 32K positions
-    tokens, key_width, beyond = largest_step(long, 64, refreshes=False)
-    assert beyond == 32768 - attention.GROUP_KEYS and key_width >= 4
+    group_keys = attention.keys_per_group(8, 128, torch.float32, torch.device("cpu"))
+    tokens, key_width, beyond = largest_step(long, 64, refreshes=False, group_keys=group_keys)
+    assert group_keys == 32768 and beyond == 0 and 512 * key_width == group_keys  # one group's worth of keys
+    tokens, key_width, beyond = largest_step(long, 64, refreshes=False, group_keys=8192)
+    assert beyond == 32768 - 8192 and key_width == 16
 
 
 def test_attention_over_long_rows_in_groups_equals_one_group(monkeypatch):
@@ -110,7 +112,7 @@ def test_attention_over_long_rows_in_groups_equals_one_group(monkeypatch):
     whole = paged_context("sdpa", layout, [c.clone() for c in k_cache], [c.clone() for c in v_cache], page)
     assert len(whole.groups) == 1
     expected = whole.attend(0, q, k, v)
-    monkeypatch.setattr(attention, "GROUP_KEYS", 2 * width)
+    monkeypatch.setattr(attention, "DEFAULT_GROUP_BYTES", 2 * width * 2 * kv_heads * dim * 4)
     grouped = paged_context("sdpa", layout, [c.clone() for c in k_cache], [c.clone() for c in v_cache], page)
     assert grouped.groups == [(0, 2), (2, 4), (4, 6)]
     torch.testing.assert_close(grouped.attend(0, q, k, v), expected)

@@ -40,12 +40,13 @@ class Dims:
     mask_id: int = MASK_ID
     eos_id: int = EOS_ID
     pad_id: int = PAD_ID
+    weight_scale: float = 0.3  # of the random matrices (large ones want ~0.02: activations stay finite)
 
 
 TINY = Dims()
 # SDAR-1.7B's shape (Qwen3-1.7B's, its ids and 32,768 positions), with ``layers`` to choose
 SDAR_1_7B = Dims(vocab=151936, hidden=2048, heads=16, kv_heads=8, head_dim=128, ffn=6144, layers=28,
-                 max_positions=32768, mask_id=151669, eos_id=151645, pad_id=151643)
+                 max_positions=32768, mask_id=151669, eos_id=151645, pad_id=151643, weight_scale=0.02)
 
 
 def llada_checkpoint(d: Dims = TINY) -> tuple[dict, dict]:
@@ -147,11 +148,13 @@ OVERRIDES = {"LLaDAModelLM": {}, "DreamModel": {}, "SDARForCausalLM": IDS_OVERRI
              "LLaDA2MoeModelLM": IDS_OVERRIDE}
 
 
-def random_tensor(name: str, shape: tuple, generator: torch.Generator) -> torch.Tensor:
+def random_tensor(name: str, shape: tuple, generator: torch.Generator, scale: float = 0.3) -> torch.Tensor:
+    """Norm weights about 1, embeddings N(0, 1), other matrices N(0, ``scale``), on the
+    generator's device."""
     if name.endswith("norm.weight"):
-        return 1.0 + 0.1 * torch.randn(shape, generator=generator)
-    scale = 1.0 if "embed" in name or "wte" in name else 0.3
-    return scale * torch.randn(shape, generator=generator)
+        return 1.0 + 0.1 * torch.randn(shape, generator=generator, device=generator.device)
+    scale = 1.0 if "embed" in name or "wte" in name else scale
+    return scale * torch.randn(shape, generator=generator, device=generator.device)
 
 
 def save_tokenizer(path: Path, d: Dims = TINY) -> None:
@@ -177,13 +180,15 @@ def save_tokenizer(path: Path, d: Dims = TINY) -> None:
 
 
 def write_checkpoint(path: Path, arch: str, seed: int = 0, dims: Dims = TINY,
-                     dtype: torch.dtype = torch.float32) -> Path:
-    """A random checkpoint of ``arch`` with ``dims``, its tensors stored in ``dtype``."""
+                     dtype: torch.dtype = torch.float32, device: str = "cpu") -> Path:
+    """A random checkpoint of ``arch`` with ``dims``, its tensors stored in ``dtype`` (drawn
+    on ``device``: a GPU draws a billion in a moment)."""
     config, shapes = CHECKPOINTS[arch](dims)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {name: random_tensor(name, shape, generator).to(dtype) for name, shape in shapes.items()}
+    generator = torch.Generator(device).manual_seed(seed)
+    tensors = {name: random_tensor(name, shape, generator, dims.weight_scale).to(dtype).cpu()
+               for name, shape in shapes.items()}
     names = sorted(tensors)
     shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
     weight_map = {}

@@ -1,0 +1,98 @@
+"""`dllm-serve up` sizing its KV pool from memory: a random checkpoint with SDAR-1.7B's
+shape and 32,768 positions (two of its 28 layers, so that it runs on two cores) at 64 rows,
+under a memory budget, starts, answers as users ask, reports its pool, and its replica stays
+within the budget; a budget too small stops `up` at once with one line."""
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import httpx
+import openai
+import pytest
+import torch
+
+from live_up import start_cluster, stop_cluster
+from replicas.memory import host_memory
+from tests.replicas.models.checkpoint_builders import SDAR_1_7B, write_checkpoint
+
+BUDGET = 4 << 30  # the whole replica process: weights (1.5 GiB in float32), activations, KV pool
+
+
+@pytest.fixture(scope="module")
+def sdar_32k(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("sdar-32k"), "SDARForCausalLM",
+                            dims=replace(SDAR_1_7B, layers=2), dtype=torch.bfloat16)
+    _, total = host_memory()
+    replica = {"max_batch": 64, "memory_utilization": BUDGET / total}
+    running = start_cluster(tmp_path_factory.mktemp("sdar-32k-up"), {"model": str(path), "replica": replica},
+                            timeout_s=900)
+    yield path, running
+    stop_cluster(running.process)
+
+
+def status(running) -> dict:
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--json", "--address", running.ray_address],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as lines:
+        return next(int(line.split()[1]) * 1024 for line in lines if line.startswith("VmRSS:"))
+
+
+def test_a_32k_position_checkpoint_at_64_rows_serves_within_its_memory_budget(sdar_32k):
+    path, running = sdar_32k
+    [view] = status(running)["replicas"].values()
+    page = 2 * 2 * 8 * 128 * 4 * 4  # K and V, 2 layers, 8 KV heads of 128, 4 tokens, float32
+    assert view["max_model_len"] == 32768 and view["kv_cache_bytes"] == (view["total_pages"] + 1) * page
+    assert view["total_pages"] >= 8192  # one request of 32,768 positions fits
+    assert view["total_pages"] < 64 * 8192  # far below what 64 rows of the whole context would take
+
+    client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="none", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    for text in ("Hello", "Write a haiku about the sea."):  # one client, back to back
+        answer = client.completions.create(model=model, prompt=text, max_tokens=8)
+        assert answer.choices[0].finish_reason in ("length", "stop")
+
+    def chat(i: int):
+        return client.chat.completions.create(
+            model=model, max_tokens=8, messages=[{"role": "user", "content": f"第{i}个问题：你好吗？🙂🚀 " * (1 + i)}])
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:  # a dozen concurrent clients
+        answers = list(pool.map(chat, range(12)))
+    assert all(a.choices[0].finish_reason in ("length", "stop") and a.usage.completion_tokens <= 8 for a in answers)
+
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 60  # 2,700 characters
+    streamed = httpx.post(running.base_url + "/v1/completions", timeout=600, json={
+        "model": model, "prompt": long_prompt, "max_tokens": 8, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+
+    with pytest.raises(openai.BadRequestError, match="32768"):  # over the positions the replica serves
+        client.completions.create(model=model, prompt="x", max_tokens=40000)
+
+    [view] = status(running)["replicas"].values()
+    assert resident_bytes(view["pid"]) <= BUDGET
+
+
+def test_a_budget_too_small_stops_up_with_one_line_naming_the_sizes(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--set", "replica.memory_utilization=0.0001",
+                             "--set", "replica.max_model_len=512", "--set", f"port={_port()}",
+                             "--set", f"metrics_port={_port()}"],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dllm-serve: error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr
+    assert "PoolSizingError" in errors[0] and "memory_utilization 0.0001" in errors[0]
+    assert "max_model_len 512" in errors[0] and "raise replica.memory_utilization" in errors[0]
+    assert "ready; Ctrl-C stops" not in result.stdout
+
+
+def _port() -> int:
+    from live_up import free_port
+
+    return free_port()
