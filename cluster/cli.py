@@ -717,12 +717,14 @@ def build_parser(client_only: bool = False) -> argparse.ArgumentParser:
     from loadgen.cli import add_loadgen_parser
     from loadgen.detokenize_bench import add_bench_detokenize_parser
     from loadgen.overload import add_bench_overload_parser
+    from loadgen.soak import add_bench_soak_parser
 
     if not client_only:
         _add_engine_benches(targets)
         add_bench_detokenize_parser(targets)
     add_bench_calibration_parser(targets)
     add_bench_overload_parser(targets)
+    add_bench_soak_parser(targets)
     add_calibrate_parser(commands)
     add_simulate_parser(commands)
     add_loadgen_parser(commands).set_defaults(func=cmd_loadgen)
@@ -730,7 +732,7 @@ def build_parser(client_only: bool = False) -> argparse.ArgumentParser:
 
 
 CLIENT_COMMANDS = ("loadgen", "calibrate", "simulate")
-CLIENT_BENCHES = ("overload", "calibration")
+CLIENT_BENCHES = ("overload", "calibration", "soak")
 
 
 def is_client_command(argv: list[str]) -> bool:

@@ -1,0 +1,146 @@
+"""`dllm-serve bench soak`: does a local cluster's engine replica keep its memory under a
+long mixed load?
+
+--clients concurrent clients send requests back to back for --duration seconds, each in
+turn one of ``KINDS``: a streamed answer, a whole answer, a whole answer with logprobs
+(20 alternatives), one with stop strings, one with a deadline too short to finish
+(``deadline_s``; it ends with the committed blocks or 504), and a stream the client drops
+after its first block. Every --sample-every seconds the resident set (VmRSS) of each engine
+replica of the cluster serving the URL (the Ray workers titled ray::ServeReplica...
+EngineReplica that the raylet of the process listening on the URL's port started) is read
+from /proc. The report: each replica's resident memory after the first minute (the warm
+state) and at the end, their ratio, the highest, and the requests by kind and outcome.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from loadgen.arrivals import tiny_prompts
+from loadgen.cli import LoadgenError, add_endpoint_options, positive_number, run_command
+from loadgen.overload import cluster_cpu, serving_raylet
+
+KINDS = ("stream", "whole", "logprobs", "stop", "deadline", "dropped")
+WARM_S = 60.0  # the first minute: start-up allocations, caches and the allocator's pools settle
+
+
+def engine_pids(port: int, proc: Path = Path("/proc")) -> list[int]:
+    """The engine replicas of the local cluster serving on ``port``."""
+    raylet = serving_raylet(port, proc)
+    if raylet is None:
+        raise LoadgenError(f"no process here listens on port {port}: bench soak reads a local cluster's memory")
+    return sorted(pid for pid, (role, _) in cluster_cpu(raylet, proc).items() if role == "engine")
+
+
+def resident_bytes(pid: int, proc: Path = Path("/proc")) -> int | None:
+    try:
+        for line in (proc / str(pid) / "status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:  # gone (a replica replaced)
+        pass
+    return None
+
+
+def request_body(kind: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": kind in ("stream", "dropped")}
+    if kind == "logprobs":
+        body["logprobs"] = 20
+    elif kind == "stop":
+        body["stop"] = ["1", "\n"]
+    elif kind == "deadline":
+        body["deadline_s"] = 0.05
+    return body
+
+
+async def one_request(http: httpx.AsyncClient, kind: str, body: dict) -> str:
+    """The outcome: the HTTP status, 'dropped' for a stream left after its first event."""
+    if not body["stream"]:
+        return str((await http.post("/v1/completions", json=body)).status_code)
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if kind == "dropped" and line.startswith("data: "):
+                return "dropped"
+    return str(response.status_code)
+
+
+async def soak(url: str, model: str | None, api_key: str | None, duration_s: float, clients: int,
+               sample_every_s: float, max_tokens: int, seed: int = 0) -> dict:
+    port = urlsplit(url).port or 80
+    pids = engine_pids(port)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    prompts = itertools.cycle(tiny_prompts(500, seed))
+    outcomes: dict[str, dict[str, int]] = {kind: {} for kind in KINDS}
+    samples: list[tuple[float, dict[int, int | None]]] = []
+    start = time.monotonic()
+    deadline = start + duration_s
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
+        if model is None:
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        turns = itertools.count()
+
+        async def client_loop() -> None:
+            while time.monotonic() < deadline:
+                kind = KINDS[next(turns) % len(KINDS)]
+                try:
+                    outcome = await one_request(http, kind, request_body(kind, model, next(prompts), max_tokens))
+                except httpx.HTTPError as exc:
+                    outcome = type(exc).__name__
+                outcomes[kind][outcome] = outcomes[kind].get(outcome, 0) + 1
+
+        async def sampler() -> None:
+            while time.monotonic() < deadline:
+                samples.append((time.monotonic() - start, {pid: resident_bytes(pid) for pid in pids}))
+                await asyncio.sleep(sample_every_s)
+            samples.append((time.monotonic() - start, {pid: resident_bytes(pid) for pid in pids}))
+
+        await asyncio.gather(sampler(), *(client_loop() for _ in range(clients)))
+    return memory_report(samples, pids, outcomes, duration_s)
+
+
+def memory_report(samples: list[tuple[float, dict[int, int | None]]], pids: list[int],
+                  outcomes: dict[str, dict[str, int]], duration_s: float) -> dict:
+    mib = float(1 << 20)
+    replicas = {}
+    for pid in pids:
+        series = [(t, rss[pid]) for t, rss in samples if rss.get(pid)]
+        warm = [rss for t, rss in series if t >= min(WARM_S, duration_s / 2)]
+        if not warm:
+            continue
+        replicas[str(pid)] = {"after_first_minute_mib": round(warm[0] / mib, 1), "end_mib": round(warm[-1] / mib, 1),
+                              "max_mib": round(max(warm) / mib, 1), "end_over_first_minute": round(warm[-1] / warm[0], 4)}
+    return {"duration_s": duration_s, "samples": len(samples), "replicas": replicas, "requests": outcomes}
+
+
+def add_bench_soak_parser(targets) -> None:
+    parser = targets.add_parser(
+        "soak", help="engine replicas' resident memory under a long mixed load (a local cluster)",
+        description=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: dllm-serve bench soak --url http://127.0.0.1:8000 --duration 600\n"
+               "exit status: 0; 2 on bad input, an unreachable endpoint or no local cluster on the URL's port.")
+    add_endpoint_options(parser)
+    parser.add_argument("--duration", type=positive_number(float), default=600.0, metavar="S",
+                        help="seconds of load (default 600)")
+    parser.add_argument("--clients", type=positive_number(int), default=8, metavar="N",
+                        help="concurrent clients, each sending its next request when its last one ends (default 8)")
+    parser.add_argument("--sample-every", type=positive_number(float), default=5.0, metavar="S",
+                        help="seconds between two readings of the replicas' memory (default 5)")
+    parser.set_defaults(func=lambda args: run_command("bench soak", lambda: _run(args)))
+
+
+def _run(args) -> int:
+    try:
+        report = asyncio.run(soak(args.url.rstrip("/"), args.model, args.api_key, args.duration, args.clients,
+                                  args.sample_every, args.max_tokens))
+    except httpx.HTTPError as exc:
+        raise LoadgenError(f"{args.url}: {exc}") from None
+    print(json.dumps(report, indent=2))
+    return 0
