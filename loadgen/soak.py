@@ -3,8 +3,8 @@ long mixed load?
 
 --clients concurrent clients send requests back to back for --duration seconds, each in
 turn one of ``KINDS``: a streamed answer, a whole answer, a whole answer with logprobs
-(20 alternatives), one with stop strings, one with a deadline too short to finish
-(``deadline_s``; it ends with the committed blocks or 504), and a stream the client drops
+(20 alternatives), one with stop strings, one with a short deadline (``deadline_s``:
+refused where admission predicts more, else it finishes or ends at it), and a stream the client drops
 after its first block. Every --sample-every seconds the resident set (VmRSS) of each engine
 replica of the cluster serving the URL (the Ray workers titled ray::ServeReplica...
 EngineReplica that the raylet of the process listening on the URL's port started) is read
@@ -29,6 +29,7 @@ from loadgen.cli import LoadgenError, add_endpoint_options, positive_number, run
 from loadgen.overload import cluster_cpu, serving_raylet
 
 KINDS = ("stream", "whole", "logprobs", "stop", "deadline", "dropped")
+DEADLINE_S = 0.5  # refused (429) where admission predicts more, else ended by it (504) or in time
 WARM_S = 60.0  # the first minute: start-up allocations, caches and the allocator's pools settle
 
 
@@ -57,7 +58,7 @@ def request_body(kind: str, model: str, prompt: str, max_tokens: int) -> dict:
     elif kind == "stop":
         body["stop"] = ["1", "\n"]
     elif kind == "deadline":
-        body["deadline_s"] = 0.05
+        body["deadline_s"] = DEADLINE_S
     return body
 
 

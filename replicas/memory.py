@@ -21,9 +21,10 @@ the scratch page. Where one request of ``max_model_len`` does not fit, a default
 with the sizes and the setting to change.
 
 Models that recompute a row's whole sequence in a step (bidirectional ones, or
-``kv_cache: none``) can feed every held page's tokens at once: each of their pages also
-keeps room for its tokens' activations (the profiled step's peak per token, a bound: that
-peak includes the step's fixed part, its logits).
+``kv_cache: none``) can feed every held page's tokens at once: each of their pages beyond the
+profiled step's also keeps room for its tokens' activations (the peak's growth per token,
+measured between the step and one of half its tokens; the step's fixed part, its rows'
+logits, is counted once).
 """
 
 from __future__ import annotations
@@ -219,9 +220,17 @@ def plan_pool(model: torch.nn.Module, config: EngineConfig, spec: ModelSpec, wan
             f"{CPU_DEFAULT_KV_BYTES / GiB:g} GiB", weights))
     group_keys = keys_per_group(spec.num_kv_heads, spec.head_dim, dtype, device)
     tokens, key_width, keys_beyond = largest_step(wanted, config.max_batch, refreshes, group_keys)
-    try:
-        peak = measure_peak(device, lambda: profile_step(model, spec, tokens, config.max_batch, key_width, backend,
+
+    def peak_at(count: int) -> int:
+        return measure_peak(device, lambda: profile_step(model, spec, count, config.max_batch, key_width, backend,
                                                          device, dtype))
+
+    try:
+        peak = peak_at(tokens)
+        # a refresh's peak grows with its tokens beyond the step's fixed part (its rows' logits):
+        # the slope between this step and one of half its tokens
+        half = tokens // 2 // spec.block_length * spec.block_length
+        per_token = max(0.0, (peak - peak_at(half)) / (tokens - half)) if refreshes and half else 0.0
         peak += keys_beyond * 2 * spec.num_kv_heads * spec.head_dim * dtype.itemsize
     except torch.OutOfMemoryError:
         raise PoolSizingError(
@@ -237,13 +246,10 @@ def plan_pool(model: torch.nn.Module, config: EngineConfig, spec: ModelSpec, wan
         used, where = resident_bytes(), f"this machine's {total / GiB:.1f} GiB"
     budget_bytes = int(utilization * total)
     left = budget_bytes - used
-    if refreshes:  # each page keeps room for its tokens' activations in a step that refreshes them all
-        per_token = peak / tokens
-        pages = int(left // (per_page + per_token * spec.block_length))
-        if pages * spec.block_length < tokens:
-            pages = int((left - peak) // per_page)
-    else:
-        pages = int((left - peak) // per_page)
+    pages = int((left - peak) // per_page)
+    if refreshes and pages * spec.block_length > tokens:
+        # each page beyond the profiled step's keeps room for its tokens in a step that refreshes them all
+        pages = int((left - peak + per_token * tokens) // (per_page + per_token * spec.block_length))
     budget = (f"memory_utilization {utilization:g} of {where} = {budget_bytes / GiB:.2f} GiB, "
               f"{used / GiB:.2f} GiB in use after the weights")
     return _fit(config, spec, wanted, PoolSize(max(0, min(wanted.num_pages, pages)), wanted.max_model_len, per_page,
