@@ -4,12 +4,16 @@ long mixed load?
 --clients concurrent clients send requests back to back for --duration seconds, each in
 turn one of ``KINDS``: a streamed answer, a whole answer, a whole answer with logprobs
 (20 alternatives), one with stop strings, one with a short deadline (``deadline_s``:
-refused where admission predicts more, else it finishes or ends at it), and a stream the client drops
-after its first block. Every --sample-every seconds the resident set (VmRSS) of each engine
+refused where admission predicts more, else it finishes or ends at it), a stream the client drops
+after its first block, two choices (n 2), a bad request (400), and a body the client leaves
+half sent. Every --sample-every seconds the resident set (VmRSS) of each engine
 replica of the cluster serving the URL (the Ray workers titled ray::ServeReplica...
 EngineReplica that the raylet of the process listening on the URL's port started) is read
 from /proc. The report: each replica's resident memory after the first minute (the warm
-state) and at the end, their ratio, the highest, and the requests by kind and outcome.
+state) and at the end, their ratio, the highest, and the requests by kind and outcome. After
+the load, the cluster must come to rest within a minute (``AT_REST``, read from --metrics-url):
+no request running or waiting, no step debt, no page held (the prefix cache's references at
+zero) and no admission charge; what it still holds is reported, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -28,7 +32,13 @@ from loadgen.arrivals import tiny_prompts
 from loadgen.cli import LoadgenError, add_endpoint_options, positive_number, run_command
 from loadgen.overload import cluster_cpu, serving_raylet
 
-KINDS = ("stream", "whole", "logprobs", "stop", "deadline", "dropped")
+KINDS = ("stream", "whole", "logprobs", "stop", "deadline", "dropped", "n2", "bad", "body_dropped")
+# what a cluster at rest holds (the metrics endpoint's gauges; per replica where labelled):
+# no request running or waiting, no step debt, every page free (a cached page no request
+# holds counts as free: the prefix cache's references are zero), no admission charge
+AT_REST = {"dllm_running_requests": "running requests", "dllm_step_queue_length": "waiting requests",
+           "dllm_step_debt": "step debt", "dllm_admission_outstanding": "admission charge"}
+SETTLE_S = 60.0  # how long the cluster may take to come to rest after the load
 DEADLINE_S = 0.5  # refused (429) where admission predicts more, else ended by it (504) or in time
 WARM_S = 60.0  # the first minute: start-up allocations, caches and the allocator's pools settle
 
@@ -59,11 +69,32 @@ def request_body(kind: str, model: str, prompt: str, max_tokens: int) -> dict:
         body["stop"] = ["1", "\n"]
     elif kind == "deadline":
         body["deadline_s"] = DEADLINE_S
+    elif kind == "n2":
+        body["n"] = 2
+    elif kind == "bad":
+        body["max_tokens"] = -1
     return body
 
 
+async def drop_mid_body(url: str, body: dict, headers: dict) -> str:
+    """Send the request's headers and half its body, then close the connection."""
+    parts = urlsplit(url)
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
+    head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Content-Type": "application/json"}.items())
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Length: {len(data)}\r\n"
+                 f"{head}\r\n".encode() + data[: len(data) // 2])
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    return "dropped"
+
+
 async def one_request(http: httpx.AsyncClient, kind: str, body: dict) -> str:
-    """The outcome: the HTTP status, 'dropped' for a stream left after its first event."""
+    """The outcome: the HTTP status, 'dropped' for a stream left after its first event or a
+    body left half sent."""
+    if kind == "body_dropped":
+        return await drop_mid_body(str(http.base_url), body, dict(http.headers))
     if not body["stream"]:
         return str((await http.post("/v1/completions", json=body)).status_code)
     async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -74,7 +105,7 @@ async def one_request(http: httpx.AsyncClient, kind: str, body: dict) -> str:
 
 
 async def soak(url: str, model: str | None, api_key: str | None, duration_s: float, clients: int,
-               sample_every_s: float, max_tokens: int, seed: int = 0) -> dict:
+               sample_every_s: float, max_tokens: int, metrics_url: str | None = None, seed: int = 0) -> dict:
     port = urlsplit(url).port or 80
     pids = engine_pids(port)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -104,7 +135,35 @@ async def soak(url: str, model: str | None, api_key: str | None, duration_s: flo
             samples.append((time.monotonic() - start, {pid: resident_bytes(pid) for pid in pids}))
 
         await asyncio.gather(sampler(), *(client_loop() for _ in range(clients)))
-    return memory_report(samples, pids, outcomes, duration_s)
+        at_rest = await settled(http, metrics_url) if metrics_url else None
+    return {**memory_report(samples, pids, outcomes, duration_s), "at_rest": at_rest}
+
+
+def rest_problems(metrics_text: str) -> dict[str, float]:
+    """What the cluster still holds, by gauge and replica (empty: at rest)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            values.setdefault(sample.name, {})[sample.labels.get("replica", "")] = sample.value
+    problems = {f"{AT_REST[name]} {who}".strip(): value for name in AT_REST
+                for who, value in values.get(name, {}).items() if value}
+    for who, total in values.get("dllm_total_pages", {}).items():
+        held = total - values.get("dllm_free_pages", {}).get(who, 0.0)
+        if held:
+            problems[f"pages held {who}"] = held
+    return problems
+
+
+async def settled(http: httpx.AsyncClient, metrics_url: str) -> dict:
+    """Wait up to ``SETTLE_S`` for the cluster to come to rest; what it still held then."""
+    started = time.monotonic()
+    while True:
+        problems = rest_problems((await http.get(metrics_url)).text)
+        if not problems or time.monotonic() - started > SETTLE_S:
+            return {"clean": not problems, "after_s": round(time.monotonic() - started, 1), "held": problems}
+        await asyncio.sleep(1.0)
 
 
 def memory_report(samples: list[tuple[float, dict[int, int | None]]], pids: list[int],
@@ -123,10 +182,11 @@ def memory_report(samples: list[tuple[float, dict[int, int | None]]], pids: list
 
 def add_bench_soak_parser(targets) -> None:
     parser = targets.add_parser(
-        "soak", help="engine replicas' resident memory under a long mixed load (a local cluster)",
+        "soak", help="engine replicas' resident memory under a long mixed load, and nothing held after it (a local cluster)",
         description=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example: dllm-serve bench soak --url http://127.0.0.1:8000 --duration 600\n"
-               "exit status: 0; 2 on bad input, an unreachable endpoint or no local cluster on the URL's port.")
+               "exit status: 0; 1 when the cluster holds requests, pages or admission charges a minute after the "
+               "load; 2 on bad input, an unreachable endpoint or no local cluster on the URL's port.")
     add_endpoint_options(parser)
     parser.add_argument("--duration", type=positive_number(float), default=600.0, metavar="S",
                         help="seconds of load (default 600)")
@@ -134,14 +194,17 @@ def add_bench_soak_parser(targets) -> None:
                         help="concurrent clients, each sending its next request when its last one ends (default 8)")
     parser.add_argument("--sample-every", type=positive_number(float), default=5.0, metavar="S",
                         help="seconds between two readings of the replicas' memory (default 5)")
+    parser.add_argument("--metrics-url", default="http://127.0.0.1:9400/metrics",
+                        help="the cluster's Prometheus endpoint, read after the load for what it still holds "
+                             "(default http://127.0.0.1:9400/metrics; '' skips the check)")
     parser.set_defaults(func=lambda args: run_command("bench soak", lambda: _run(args)))
 
 
 def _run(args) -> int:
     try:
         report = asyncio.run(soak(args.url.rstrip("/"), args.model, args.api_key, args.duration, args.clients,
-                                  args.sample_every, args.max_tokens))
+                                  args.sample_every, args.max_tokens, args.metrics_url or None))
     except httpx.HTTPError as exc:
         raise LoadgenError(f"{args.url}: {exc}") from None
     print(json.dumps(report, indent=2))
-    return 0
+    return 0 if report["at_rest"] is None or report["at_rest"]["clean"] else 1

@@ -125,19 +125,23 @@ def test_a_chats_later_turns_find_their_history_in_the_prefix_cache(cluster):
     assert report["prefix_hit_rate"] > 0.4
 
 
-def test_bench_soak_reads_each_engine_replica_and_sends_every_kind(cluster):
-    """A short soak: both engine replicas' memory sampled, every kind of request answered."""
+def test_bench_soak_reads_each_engine_replica_sends_every_kind_and_finds_the_cluster_at_rest(cluster):
+    """A short soak: both engine replicas' memory sampled, every kind of request answered,
+    and afterwards nothing held: no request, page or admission charge."""
     from loadgen.soak import KINDS
 
     run = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "bench", "soak", "--url", cluster.base_url, *key_args(cluster),
-         "--duration", "6", "--clients", "6", "--sample-every", "1"], capture_output=True, text=True, timeout=150)
-    assert run.returncode == 0, run.stderr[-3000:]
+         "--metrics-url", cluster.metrics_url, "--duration", "6", "--clients", "9", "--sample-every", "1"],
+        capture_output=True, text=True, timeout=150)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert len(report["replicas"]) == REPLICAS and report["samples"] >= 3
     for replica in report["replicas"].values():
         assert 100 < replica["after_first_minute_mib"] <= replica["max_mib"] and replica["end_over_first_minute"] > 0
     answered = {kind: sum(n for outcome, n in outcomes.items() if outcome in ("200", "429", "504", "dropped"))
-                for kind, outcomes in report["requests"].items()}
-    assert set(answered) == set(KINDS) and all(answered.values()), report["requests"]
-    assert report["requests"]["dropped"].get("dropped") and "500" not in json.dumps(report["requests"])
+                for kind, outcomes in report["requests"].items() if kind != "bad"}
+    assert set(answered) | {"bad"} == set(KINDS) and all(answered.values()), report["requests"]
+    assert set(report["requests"]["bad"]) == {"400"} and report["requests"]["body_dropped"].get("dropped")
+    assert "500" not in json.dumps(report["requests"])
+    assert report["at_rest"]["clean"] and not report["at_rest"]["held"]

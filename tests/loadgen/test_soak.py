@@ -1,0 +1,36 @@
+"""`bench soak`'s reading of a cluster at rest and of its replicas' memory."""
+
+from loadgen.soak import memory_report, rest_problems
+
+AT_REST = """# TYPE dllm_running_requests gauge
+dllm_running_requests{replica="a"} 0.0
+dllm_running_requests{replica="b"} 0.0
+# TYPE dllm_step_queue_length gauge
+dllm_step_queue_length{replica="a"} 0.0
+# TYPE dllm_free_pages gauge
+dllm_free_pages{replica="a"} 512.0
+dllm_free_pages{replica="b"} 510.0
+# TYPE dllm_total_pages gauge
+dllm_total_pages{replica="a"} 512.0
+dllm_total_pages{replica="b"} 512.0
+# TYPE dllm_admission_outstanding gauge
+dllm_admission_outstanding 0.0
+"""
+
+
+def test_rest_problems_names_what_each_replica_still_holds():
+    assert rest_problems(AT_REST) == {"pages held b": 2.0}
+    busy = AT_REST.replace('dllm_running_requests{replica="a"} 0.0', 'dllm_running_requests{replica="a"} 3.0')
+    busy = busy.replace("dllm_admission_outstanding 0.0", "dllm_admission_outstanding 40.0")
+    assert rest_problems(busy) == {"running requests a": 3.0, "admission charge": 40.0, "pages held b": 2.0}
+    assert rest_problems(AT_REST.replace("510.0", "512.0")) == {}
+
+
+def test_memory_report_compares_the_end_with_the_first_minute():
+    mib = 1 << 20
+    samples = [(t, {7: (100 + t / 10) * mib, 8: None}) for t in range(0, 600, 30)]
+    report = memory_report(samples, [7, 8], {"whole": {"200": 5}}, 600)
+    assert list(report["replicas"]) == ["7"]  # 8 never read (gone)
+    replica = report["replicas"]["7"]
+    assert replica["after_first_minute_mib"] == 106.0 and replica["end_mib"] == 157.0
+    assert replica["end_over_first_minute"] == round(157 / 106, 4) and report["samples"] == 20
