@@ -387,7 +387,8 @@ class Engine:
         request.emit(GenerateChunk(
             text=text, token_ids=list(token_ids), finished=reason is not None,
             finish_reason=None if reason is None else reason.value, error=error, error_kind=error_kind,
-            prompt_tokens=len(request.prompt_ids), cached_tokens=min(request.cached_tokens, len(request.prompt_ids)),
+            prompt_tokens=len(request.prompt_ids) + len(request.params.suffix_ids),  # an infill's suffix is on the canvas too
+            cached_tokens=min(request.cached_tokens, len(request.prompt_ids)),
             completion_tokens=len(request.output_ids),
             steps=request.num_steps, block_steps=list(request.committed_block_steps), replica=self.name,
             engine_s=self.clock() - request.arrival_time,
