@@ -29,7 +29,9 @@ from loadgen.cli import LoadgenError, add_endpoint_options, positive_number, run
 from loadgen.overload import cluster_cpu, serving_raylet
 
 KINDS = ("stream", "whole", "logprobs", "stop", "deadline", "dropped")
-DEADLINE_S = 0.5  # refused (429) where admission predicts more, else ended by it (504) or in time
+# refused (429) where admission predicts more, else ended by it (finish_reason "timeout", or 504
+# before any token) or answered in time
+DEADLINE_S = 0.5
 WARM_S = 60.0  # the first minute: start-up allocations, caches and the allocator's pools settle
 
 
