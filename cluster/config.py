@@ -250,8 +250,9 @@ class AppConfig(_Section):
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none (less where the "
                                                             "prompt leaves less room)")
     request_timeout_s: float | None = Field(
-        600.0, gt=0, description="a request still running this long after it arrived ends with a timeout error "
-                                 "(504), its pages and admission charge freed; none: no deadline")
+        600.0, gt=0, description="a request still running this long after it arrived ends with what it committed, "
+                                 "finish_reason 'timeout' (504 where nothing was), its pages and admission "
+                                 "charge freed; none: no deadline")
     drain_timeout_s: float = Field(
         30.0, ge=0, description="on SIGTERM `dllm-serve up` stops admitting (503 server_draining, Retry-After) "
                                 "and waits this long at most for the requests in flight to finish, then stops")

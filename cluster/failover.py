@@ -6,7 +6,9 @@ stream breaks, or the replica reports a fault of its own), the same request goes
 again with those ids as ``resume_ids``. The next replica prefills prompt + committed
 blocks and denoises on from the next block with the same per-block seeds, so the client
 sees one stream, and a seeded or greedy request the same text a fault-free run gives.
-A request that had not started is simply routed again. Attempts are bounded.
+A request that had not started is simply routed again. Attempts are bounded. A request
+whose deadline passes between attempts is not resumed: it ends as a replica ends one at
+its deadline, with what it committed and ``finish_reason`` "timeout".
 
 Before a resumed attempt the request waits (bounded, and within its deadline) until some
 replica other than those that failed it is up and stepping: with one replica left and
@@ -28,7 +30,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from cluster.router import avoid
 from replicas.limits import aligned_head, blocks_needed
-from replicas.messages import GenerateChunk, GenerateRequest
+from replicas.messages import GenerateChunk, GenerateRequest, SamplingParams
+from replicas.request import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +49,6 @@ class ReplicaFailed(Exception):
         self.attempts = attempts
 
 
-class RequestTimedOut(Exception):
-    """The request's deadline passed between two attempts."""
-
-
 class Failover:
     """Streams one request's chunks from the replicas behind ``generate``, resuming after failures.
 
@@ -57,12 +56,16 @@ class Failover:
     ``on_failover()`` is called once per resumed attempt (for ``dllm_failovers_total``);
     ``healthy_elsewhere(failed)`` says whether a replica outside ``failed`` (ids) is up
     and stepping; a resumed attempt waits up to ``healthy_wait_s`` for one.
+    ``held_text(params, ids)``: the text a replica holds back after the committed ``ids``
+    (``OutputProcessor.held_text``), which ends a request whose deadline passes between
+    attempts (without it: none).
     """
 
     def __init__(self, generate: Callable[[GenerateRequest], AsyncIterator[GenerateChunk]],
                  max_attempts: int, backoff_s: float, block_length: int, aligned: bool = False,
                  on_failover: Callable[[], None] = lambda: None,
-                 healthy_elsewhere: Callable[[set[str]], bool] = lambda failed: True, healthy_wait_s: float = 0.0):
+                 healthy_elsewhere: Callable[[set[str]], bool] = lambda failed: True, healthy_wait_s: float = 0.0,
+                 held_text: Callable[[SamplingParams, list[int]], str] = lambda params, ids: ""):
         """``aligned``: blocks aligned to the sequence's start (the first answer block also
         holds the prompt's end)."""
         self.generate = generate
@@ -73,18 +76,23 @@ class Failover:
         self.on_failover = on_failover
         self.healthy_elsewhere = healthy_elsewhere
         self.healthy_wait_s = healthy_wait_s
+        self.held_text = held_text
 
     async def stream(self, job: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The request's chunks, as if one replica had served it: ``steps`` and
-        ``block_steps`` count over all attempts. Raises ``ReplicaFailed`` or ``RequestTimedOut``."""
+        ``block_steps`` count over all attempts. Raises ``ReplicaFailed``."""
         start = time.monotonic()
         committed: list[int] = []
         steps_before, block_steps_before = 0, []
         failed: set[str] = set()  # replicas that failed this request
-        attempt = 1
+        attempt, last = 1, None
         while True:
             steps, block_steps, failure, replica = 0, [], None, None
-            stream = self.generate(job if attempt == 1 else self._resumed(job, committed, time.monotonic() - start, attempt))
+            attempt_job = job if attempt == 1 else self._resumed(job, committed, time.monotonic() - start, attempt)
+            if attempt_job is None:
+                yield self._timed_out(job, committed, last)
+                return
+            stream = self.generate(attempt_job)
             try:
                 async for chunk in stream:
                     replica = chunk.replica or replica
@@ -93,8 +101,9 @@ class Failover:
                         break
                     steps, block_steps = chunk.steps, chunk.block_steps
                     committed.extend(chunk.token_ids)
-                    yield dataclasses.replace(chunk, steps=steps_before + steps,
-                                              block_steps=block_steps_before + block_steps)
+                    last = dataclasses.replace(chunk, steps=steps_before + steps,
+                                               block_steps=block_steps_before + block_steps)
+                    yield last
                     if chunk.finished:
                         return
                 else:
@@ -133,16 +142,26 @@ class Failover:
                 logged = True
             await asyncio.sleep(HEALTHY_POLL_S)
 
-    def _resumed(self, job: GenerateRequest, committed: list[int], elapsed_s: float, attempt: int) -> GenerateRequest:
+    def _timed_out(self, job: GenerateRequest, committed: list[int], last: GenerateChunk | None) -> GenerateChunk:
+        """The last chunk of a request whose deadline passed between attempts (``last``: the
+        chunk before): the text held back after its ``committed`` ids, finishing it."""
+        if last is None:
+            return GenerateChunk(finished=True, finish_reason=FinishReason.TIMEOUT.value)
+        return dataclasses.replace(last, text=self.held_text(job.params, committed), token_ids=[], finished=True,
+                                   finish_reason=FinishReason.TIMEOUT.value,
+                                   logprobs=None if last.logprobs is None else [])
+
+    def _resumed(self, job: GenerateRequest, committed: list[int], elapsed_s: float,
+                 attempt: int) -> GenerateRequest | None:
         """The job for a later attempt: resumed after ``committed``, with what is left of
         its deadline and of its cost, under an id of its own (the replica may still hold
-        the broken attempt)."""
+        the broken attempt); None once its deadline has passed."""
         params = job.params
         timeout = params.timeout_s
         if timeout is not None:
             timeout -= elapsed_s
             if timeout <= 0:
-                raise RequestTimedOut(f"the request ran past its deadline of {params.timeout_s:g} s")
+                return None
         cost = job.cost
         if cost is not None and committed:
             block = self.block_length

@@ -55,7 +55,7 @@ from cluster.config import AppConfig
 from cluster.disconnects import unless_disconnected
 from cluster.errors import (APIError, bad_request, install_error_handlers, internal_error, logged_failure,
                             validation_error)
-from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
+from cluster.failover import Failover, ReplicaFailed
 from cluster.front_door import FrontDoor
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
 from cluster.request_path import logs_to_stderr_in_this_process, path_in_this_process
@@ -64,8 +64,10 @@ from replicas.heap import settle_after_start_up
 from replicas.limits import aligned_head, blocks_needed, prompt_pages, room_for_output
 from replicas.messages import INFILL_NEEDS, GenerateChunk, GenerateRequest, SamplingParams, joined, request_problem
 from replicas.models import load_model_spec, load_tokenizer
+from replicas.output import OutputProcessor
 from replicas.prefix_cache import page_hashes
 from replicas.reports import IngressReport, stale_after_s
+from replicas.request import FinishReason
 from replicas.settings import ServingShape, resolve_algorithm
 from replicas.text_encoding import text_encoder
 from replicas.token_bytes import token_bytes
@@ -85,8 +87,14 @@ INLINE_PREPARE_CHARS = 4096  # prompts (or chats) up to this many characters are
 
 # Module-level helpers of the Ingress class go above it: `serve.ingress` copies the class
 # when it decorates it, with the module globals defined at that moment.
-def _timeout(message: str) -> APIError:
-    return APIError(504, message, type_="timeout_error", code="request_timeout")
+def _unanswered(chunks: list[GenerateChunk], job: GenerateRequest) -> APIError | None:
+    """The 504 of a request whose deadline ended a choice (``chunks``: each choice's latest)
+    before any of its choices committed a token: it has no answer. None otherwise (what was
+    committed is the answer, ``finish_reason`` "timeout")."""
+    if any(c.completion_tokens for c in chunks) or all(c.finish_reason != FinishReason.TIMEOUT for c in chunks):
+        return None
+    return APIError(504, f"the request ran past its deadline of {job.params.timeout_s:g} s before it committed "
+                         "a token", type_="timeout_error", code="request_timeout")
 
 
 def _usage(answers: list[GenerateChunk], n: int) -> dict:
@@ -166,7 +174,8 @@ class Ingress:
         failover = dict(max_attempts=settings.max_attempts, backoff_s=settings.backoff_s,
                         block_length=self.shape.block_length, aligned=self.shape.aligned,
                         on_failover=self._count_failover, healthy_elsewhere=self._healthy_elsewhere,
-                        healthy_wait_s=settings.healthy_wait_s)
+                        healthy_wait_s=settings.healthy_wait_s,
+                        held_text=OutputProcessor(self.tokenizer, self.spec.end_token_ids).held_text)
         self.failover = Failover(lambda job: self.replicas.generate.remote(job), **failover)
         self.failover_unary = Failover(self._unary, **failover)
         self._metrics = None
@@ -555,14 +564,14 @@ class Ingress:
         steps are taken and the key's place at the end; raises APIError."""
         self.in_flight += 1
         steps = [0] * len(jobs)
-        failed = False
+        complete = True  # no choice failed or was cut short by its deadline (its time would say too little)
         try:
             async for index, chunk in merged([self._replica_stream(job, failover) for job in jobs]):
                 steps[index] = jobs[index].prompt_cost + chunk.steps
                 charge.progress(sum(steps))
-                failed = failed or bool(chunk.error)
+                complete = complete and not chunk.error and chunk.finish_reason != FinishReason.TIMEOUT
                 yield index, chunk
-            if not failed:  # its time against its prediction teaches admission (``prediction_bias``)
+            if complete:  # its time against its prediction teaches admission (``prediction_bias``)
                 charge.answered()
         finally:
             self.in_flight -= 1
@@ -576,11 +585,7 @@ class Ingress:
             async for chunk in failover.stream(job):
                 if chunk.error_kind == "invalid_request":
                     raise bad_request(chunk.error)
-                if chunk.error_kind == "timeout":
-                    raise _timeout(chunk.error)
                 yield chunk
-        except RequestTimedOut as exc:
-            raise _timeout(str(exc)) from None
         except ReplicaFailed as exc:
             log.error("request %s: %s", job.request_id, exc)
             raise APIError(503, f"the replicas serving the request failed; retry (request id {job.request_id})",
@@ -615,6 +620,9 @@ class Ingress:
         if failed is not None:
             log.error("request %s failed: %s", request_id, failed.error)
             raise internal_error(request_id)
+        unanswered = _unanswered(answers, answer.job)
+        if unanswered is not None:
+            raise unanswered
         choices = [protocol.Choice(i, echo + a.text, a.finish_reason, self._logprobs(a, answer.chat, 0))
                    for i, (echo, a) in enumerate(zip(answer.echoes, answers))]
         return JSONResponse(answer.body(self.config.model_name, choices, chunk=False, usage_=_usage(answers, answer.n),
@@ -634,6 +642,9 @@ class Ingress:
                     log.error("request %s failed: %s", request_id, chunk.error)
                     yield protocol.sse_event(internal_error(request_id).body())
                     break
+                unanswered = _unanswered([*last.values(), chunk], answer.job)
+                if unanswered is not None:
+                    raise unanswered
                 logprobs = self._logprobs(chunk, answer.chat, text_offsets.get(index, 0))
                 if logprobs is not None and not answer.chat:
                     text_offsets[index] = text_offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))

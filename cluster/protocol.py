@@ -71,8 +71,9 @@ class DllmExtensions(BaseModel):
                           "(default: the server's quality.default)")
     deadline_s: float | None = Field(
         None, gt=0, description="the latency this client accepts: refused at once (429) unless the cluster "
-                                "predicts the answer within it, and ended with 504 if it runs past it "
-                                "(default: the server's slo.latency_s and request_timeout_s)")
+                                "predicts the answer within it, and ended if it runs past it: what it "
+                                "committed, finish_reason 'timeout' (504 where nothing was) (default: the "
+                                "server's slo.latency_s and request_timeout_s)")
 
     @field_validator("algorithm_params")
     @classmethod

@@ -39,7 +39,9 @@ KINDS = ("stream", "whole", "logprobs", "stop", "deadline", "dropped", "n2", "ba
 AT_REST = {"dllm_running_requests": "running requests", "dllm_step_queue_length": "waiting requests",
            "dllm_step_debt": "step debt", "dllm_admission_outstanding": "admission charge"}
 SETTLE_S = 60.0  # how long the cluster may take to come to rest after the load
-DEADLINE_S = 0.5  # refused (429) where admission predicts more, else ended by it (504) or in time
+# refused (429) where admission predicts more, else ended by it (finish_reason "timeout", or 504
+# before any token) or answered in time
+DEADLINE_S = 0.5
 WARM_S = 60.0  # the first minute: start-up allocations, caches and the allocator's pools settle
 
 

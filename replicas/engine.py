@@ -387,7 +387,9 @@ class Engine:
         request.emit(GenerateChunk(
             text=text, token_ids=list(token_ids), finished=reason is not None,
             finish_reason=None if reason is None else reason.value, error=error, error_kind=error_kind,
-            prompt_tokens=len(request.prompt_ids), cached_tokens=min(request.cached_tokens, len(request.prompt_ids)),
+            # an infill's suffix is on the canvas too
+            prompt_tokens=len(request.prompt_ids) + len(request.params.suffix_ids),
+            cached_tokens=min(request.cached_tokens, len(request.prompt_ids)),
             completion_tokens=len(request.output_ids),
             steps=request.num_steps, block_steps=list(request.committed_block_steps), replica=self.name,
             engine_s=self.clock() - request.arrival_time,
@@ -453,8 +455,9 @@ class Engine:
                     self._fail(item, f"the replica could not queue the request: {exc}", replica_fault=True)
 
     def _expire(self) -> None:
-        """End the requests past their deadline (``SamplingParams.timeout_s``); the heap
-        holds their ids, and those of requests that ended otherwise just leave it."""
+        """End the requests past their deadline (``SamplingParams.timeout_s``) with what they
+        committed, finish reason ``timeout`` (not an error); the heap holds their ids, and
+        those of requests that ended otherwise just leave it."""
         now = self.clock()
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, _, request_id = heapq.heappop(self._deadlines)
@@ -462,8 +465,9 @@ class Engine:
             if request is None or request.deadline != deadline:  # ended, or its id is a later request's now
                 continue
             del self._requests[request_id]
-            self._end(request, FinishReason.TIMEOUT,
-                      f"the request ran past its deadline of {request.params.timeout_s:g} s", "timeout")
+            # its committed blocks are its answer: the text held back is final now
+            flushed = self.outputs.commit_block(request, [], ends=FinishReason.TIMEOUT)
+            self._end(request, flushed.finish_reason, None, text=flushed.text)
             self.totals.requests_timed_out += 1
 
     def _abort_now(self, request_id: str) -> None:
@@ -483,9 +487,11 @@ class Engine:
             self._emit(request, error=error, error_kind=error_kind)
         self.totals.requests_failed += 1
 
-    def _end(self, request: Request, reason: FinishReason, error: str | None, error_kind: str | None = None) -> None:
+    def _end(self, request: Request, reason: FinishReason, error: str | None, error_kind: str | None = None,
+             text: str = "") -> None:
+        """End ``request`` where it is; its last chunk adds ``text``."""
         if self.scheduler.finish(request, reason):
-            self._emit(request, error=error, error_kind=error_kind)
+            self._emit(request, text=text, error=error, error_kind=error_kind)
 
     def warm_up(self) -> None:
         """Measure the step cost before serving: closed batches of one-block requests of 1,

@@ -72,9 +72,9 @@ class GenerateChunk:
     finish_reason: str | None = None
     error: str | None = None
     # "invalid_request": the request itself was refused (a 400); "replica_fault": the
-    # replica failed it for reasons of its own (another replica may serve it); "timeout":
-    # it ran past its deadline
-    error_kind: Literal["invalid_request", "replica_fault", "timeout"] | None = None
+    # replica failed it for reasons of its own (another replica may serve it). (A request
+    # past its deadline is no error: it finishes with what it committed, "timeout".)
+    error_kind: Literal["invalid_request", "replica_fault"] | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of those, found in the replica's prefix cache
     completion_tokens: int = 0

@@ -8,7 +8,7 @@ place that changes request state."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from replicas.detokenizer import Detokenizer
 from replicas.logprobs import TokenLogprob
@@ -56,14 +56,22 @@ class OutputProcessor:
         resumed = list(params.resume_ids)
         return self.detokenizer(params).feed(resumed + list(answer_ids), len(resumed), final=True)[0]
 
+    def held_text(self, params: SamplingParams, ids: Sequence[int]) -> str:
+        """The text a detokenizer fed ``ids`` (a request's committed output) holds back, which
+        it emits once no more ids come (``Detokenizer.feed``'s ``final``)."""
+        return self.answer_text(replace(params, resume_ids=tuple(ids)), ())
+
     def commit_block(self, request: Request, block_ids: list[int],
-                     logprobs: Sequence[TokenLogprob | None] | None = None) -> BlockCommit:
+                     logprobs: Sequence[TokenLogprob | None] | None = None,
+                     ends: FinishReason | None = None) -> BlockCommit:
         """What appending a done block (its answer ids, ``logprobs`` aligned with them) to
-        ``request``'s output adds, and whether it ends it (EOS, max_tokens, a stop string).
-        Advances the request's detokenizer (a ``text_at_end`` request has none: its receiver
-        decodes its text, ``answer_text``); the request itself is left to the scheduler."""
+        ``request``'s output adds, and whether it ends it (EOS, max_tokens, a stop string;
+        ``ends``: it ends for that reason anyway, e.g. an empty block at its deadline, whose
+        commit is the text held back, now final). Advances the request's detokenizer (a
+        ``text_at_end`` request has none: its receiver decodes its text, ``answer_text``);
+        the request itself is left to the scheduler."""
         params = request.params
-        finish = None
+        finish = ends
         end = None
         if not params.ignore_eos and not self.end_ids.isdisjoint(block_ids):
             end = next(i for i, t in enumerate(block_ids) if t in self.end_ids)

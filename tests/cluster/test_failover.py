@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from ray.exceptions import ActorDiedError
 
-from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
+from cluster.failover import Failover, ReplicaFailed
 from replicas.deployment import EngineReplica
 from replicas.messages import GenerateChunk, GenerateRequest, SamplingParams
 from replicas.settings import EngineConfig
@@ -116,11 +116,25 @@ def test_the_wait_for_a_healthy_replica_is_bounded_by_the_setting_and_the_deadli
         if timeout_s is None:  # the wait ends, and the attempt goes ahead (here: to a healthy one)
             assert collect(failover, job_for(replica))[-1].finish_reason == "length"
             assert 0.3 <= attempts[1][1] - attempts[0][1] < 10
-        else:  # the deadline ends it: the request times out instead of waiting 30 s
+        else:  # the deadline ends it, having committed nothing, instead of waiting 30 s
             started = time.monotonic()
-            with pytest.raises(RequestTimedOut):
-                collect(failover, job_for(replica, timeout_s=timeout_s))
+            [end] = collect(failover, job_for(replica, timeout_s=timeout_s))
+            assert (end.finished, end.finish_reason, end.completion_tokens) == (True, "timeout", 0)
             assert time.monotonic() - started < 10 and len(attempts) == 1
+
+
+def test_a_deadline_between_attempts_ends_the_request_with_what_it_committed(replica):
+    """The replica dies after the first block; no other is healthy before the deadline:
+    the request is not resumed, and ends with its committed block's text, the character
+    the replica held back (the beginning of a stop string) included."""
+    [first, *_] = collect(Failover(replica.generate, 1, 0.0, 16), job_for(replica))
+    generate, attempts = breaking(replica, [1])
+    failover = Failover(generate, 2, 0.0, 16, healthy_elsewhere=lambda failed: False, healthy_wait_s=30,
+                        held_text=replica.engine.outputs.held_text)
+    chunks = collect(failover, job_for(replica, timeout_s=1.0, stop=(first.text[-1] + "|",)))
+    assert [c.text for c in chunks] == [first.text[:-1], first.text[-1]] and len(attempts) == 1
+    assert chunks[-1].finished and chunks[-1].finish_reason == "timeout" and chunks[-1].error is None
+    assert chunks[-1].token_ids == [] and chunks[-1].completion_tokens == 16
 
 
 def test_attempts_are_bounded(replica):
@@ -134,8 +148,8 @@ def test_the_deadline_carries_over_to_the_resumed_attempt(replica):
     generate, attempts = breaking(replica, [1])
     collect(Failover(generate, 2, 0.0, 16), job_for(replica, timeout_s=60.0))
     assert attempts[1].params.timeout_s < 60.0
-    with pytest.raises(RequestTimedOut, match="deadline of 60 s"):
-        Failover(generate, 2, 0.0, 16)._resumed(job_for(replica, timeout_s=60.0), [], elapsed_s=60.5, attempt=2)
+    assert Failover(generate, 2, 0.0, 16)._resumed(job_for(replica, timeout_s=60.0), [], elapsed_s=60.5,
+                                                   attempt=2) is None  # not resumed past its deadline
 
 
 def test_an_aligned_continuation_sent_without_a_cost_is_served():

@@ -266,13 +266,13 @@ def test_replica_failed_and_timeout_keep_their_status_without_internal_text():
     assert response.headers["Retry-After"] == "1"
     assert "secret" not in error["message"] and "CUDA" not in error["message"] and "cmpl-" in error["message"]
 
-    async def late(job):
-        yield GenerateChunk(finished=True, error="the request ran past its deadline of 1.5 s", error_kind="timeout")
+    async def late(job):  # its deadline passed before it committed a token
+        yield GenerateChunk(finished=True, finish_reason="timeout")
 
     plain, instance = ingress_over(late)
-    response = asyncio.run(answer(plain, instance, completion()))
+    response = asyncio.run(answer(plain, instance, completion(deadline_s=1.5)))
     assert response.status_code == 504
-    assert error_of(response)["message"] == "the request ran past its deadline of 1.5 s"
+    assert error_of(response)["message"] == "the request ran past its deadline of 1.5 s before it committed a token"
 
 
 def test_any_other_exception_in_a_route_is_a_generic_500(caplog):

@@ -89,3 +89,16 @@ def test_a_suffix_counts_in_the_length(checkpoint_engine):
     room = engine.shape.max_model_len - 2 * engine.block_length
     with pytest.raises(RequestError, match=r"and the suffix \(\d+ tokens\)"):
         engine.make_request(PROMPT, SamplingParams(max_tokens=room, suffix_ids=tuple(SUFFIX * 4)))
+
+
+def test_usage_counts_the_suffix_in_the_prompt_tokens(checkpoint_engine):
+    """The suffix's tokens are on the canvas (and in max_model_len): streamed and whole
+    answers count them in ``prompt_tokens``."""
+    engine = checkpoint_engine("LLaDAModelLM", max_batch=1)
+    params = SamplingParams(max_tokens=engine.block_length, ignore_eos=True, suffix_ids=tuple(SUFFIX))
+    streamed = []
+    engine.add_request(PROMPT, params, on_output=streamed.append)
+    while engine.has_work():
+        engine.step()
+    [whole] = engine.generate([PROMPT], params)
+    assert {chunk.prompt_tokens for chunk in streamed + [whole]} == {len(PROMPT) + len(SUFFIX)}
