@@ -47,6 +47,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from algorithms import AlgorithmError, get_algorithm
+from algorithms.sampling import NO_FILTER
 from cluster import completion_path, http_tally, protocol
 from cluster.admission import AdmissionController, Charge, Decision
 from cluster.auth import ApiKey, KeyRing, KeySlot, load_keys
@@ -449,16 +450,18 @@ class Ingress:
         """The request's algorithm and parameters: its sampling fields and algorithm_params
         on top of the default (``replicas.settings.resolve_algorithm``)."""
         requested = {f: getattr(body, f) for f in _SAMPLING_FIELDS if getattr(body, f) is not None}
-        name, params = resolve_algorithm(self.config.replica, self.spec, body.algorithm,
-                                         {**requested, **(body.algorithm_params or {})})
+        name, params = resolve_algorithm(self.config.replica, self.spec, body.algorithm)
         try:
             algorithm = get_algorithm(name)
         except AlgorithmError as exc:
             raise bad_request(str(exc), param="algorithm")
-        known = set(algorithm.params_class.__dataclass_fields__)
-        for field in requested:
-            if field not in known:
+        known = algorithm.params_class.__dataclass_fields__
+        for field, value in requested.items():
+            if field in known:
+                params[field] = value
+            elif value not in NO_FILTER.get(field, ()):  # a filter's neutral value is as if absent
                 raise bad_request(f"algorithm '{name}' has no parameter '{field}'", param=field)
+        params.update(body.algorithm_params or {})
         try:
             algorithm.make_params(params)
         except AlgorithmError as exc:  # named as the client sent it: a top-level field or algorithm_params.<name>

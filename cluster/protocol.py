@@ -152,13 +152,14 @@ class SamplingFields(_UnhonouredFields):
     @field_validator("stop", mode="before")
     @classmethod
     def _stops(cls, stop):
-        """As a list; one error for any other shape or size (not one per branch of the union)."""
+        """As a list, less empty strings (they stop nothing, as OpenAI takes them); one error
+        for any other shape or size (not one per branch of the union)."""
         stops = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
         if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or any(
-                not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings of at most "
+                not isinstance(s, str) or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"must be a string or a list of up to {MAX_STOP_STRINGS} strings of at most "
                              f"{MAX_STOP_CHARS} characters")
-        return stops
+        return [s for s in stops if s]
 
     @field_validator("stream_options")
     @classmethod
