@@ -276,6 +276,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]]
 
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, role):
+        """OpenAI's ``developer`` messages are the served templates' ``system`` ones (Qwen's,
+        which Dream and SDAR use, render nothing of a role they do not know)."""
+        return "system" if role == "developer" else role
+
     @field_validator("content", mode="before")
     @classmethod
     def _string_or_parts(cls, content):
@@ -299,7 +306,7 @@ class ChatMessage(BaseModel):
                 if not isinstance(part.get("text"), str):
                     raise ValueError("a text part needs its text (a string)")
                 parts.append(part["text"])
-            content = "".join(parts)
+            content = "\n".join(parts)  # one line each, as vLLM joins them
         limit = _limits(info).max_prompt_chars
         if len(content) > limit:
             raise ValueError(f"the content has {len(content)} characters; this server takes at most {limit}")
