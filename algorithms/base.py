@@ -129,6 +129,11 @@ class DllmAlgorithm(ABC):
         """Fresh per-row state for a block that starts now; None for stateless rules."""
         return None
 
+    def draws_noise(self, params: AlgorithmParams) -> bool:
+        """Whether a block run with ``params`` draws random numbers (seeded by ``params.seed``);
+        where it does not, any seed gives the same tokens."""
+        return params.temperature > 0
+
     @abstractmethod
     def max_steps_per_block(self, params: AlgorithmParams, block_length: int) -> int:
         """Worst-case number of forwards one block can take, the one that sees it unmasked

@@ -46,7 +46,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from algorithms import AlgorithmError, get_algorithm
+from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
 from algorithms.sampling import NO_FILTER
 from cluster import completion_path, http_tally, protocol
 from cluster.admission import AdmissionController, Charge, Decision
@@ -404,21 +404,19 @@ class Ingress:
             message = f"the messages as the chat template renders them: {problem.message}" if chat else problem.message
             raise bad_request(message, param="messages" if chat else "prompt",
                               code="context_length_exceeded" if problem.too_long else None)
-        algorithm_name, algorithm_params = self._algorithm(body)
-        algorithm = get_algorithm(algorithm_name)
-        worst = algorithm.worst_case_steps(algorithm.make_params(algorithm_params), block,
-                                           self.config.replica.fused_commit)
+        algorithm, algorithm_params, made = self._algorithm(body)
+        worst = algorithm.worst_case_steps(made, block, self.config.replica.fused_commit)
         # aligned blocks: the first answer block also holds the prompt's end
         head = aligned_head(len(prompt_ids), block, self.shape.aligned)
         # the engine's own parameters (every field checked above: its checks cannot refuse them)
         params = SamplingParams(
-            max_tokens=max_tokens, stop=tuple(body.stop or ()), algorithm=algorithm_name,
+            max_tokens=max_tokens, stop=tuple(body.stop or ()), algorithm=algorithm.name,
             algorithm_params=algorithm_params, ignore_eos=body.ignore_eos, logprobs=body.logprobs_asked,
             timeout_s=min((t for t in (self.config.request_timeout_s, body.deadline_s) if t is not None), default=None),
             suffix_ids=suffix_ids, adaptive=(body.quality or self.config.quality.default) == "adaptive")
         cost = self.admission.cost(head + max_tokens, block, worst, self.shape.max_cost)
         if params.adaptive:
-            cost = self._adaptive_cost(cost, algorithm_name)
+            cost = self._adaptive_cost(cost, algorithm.name)
         hashes = page_hashes(prompt_ids, block) if self.shape.prefix_cache else ()
         # the prompt's pages the replicas compute, less those of the longest prefix this ingress
         # sent: likely cached where it went
@@ -446,9 +444,9 @@ class Ingress:
                               param="suffix")
         return tuple(self.encode(suffix, True))
 
-    def _algorithm(self, body: protocol.SamplingFields) -> tuple[str, dict]:
-        """The request's algorithm and parameters: its sampling fields and algorithm_params
-        on top of the default (``replicas.settings.resolve_algorithm``)."""
+    def _algorithm(self, body: protocol.SamplingFields) -> tuple[DllmAlgorithm, dict, AlgorithmParams]:
+        """The request's algorithm, its parameters (its sampling fields and algorithm_params
+        on top of the default: ``replicas.settings.resolve_algorithm``) and those validated."""
         requested = {f: getattr(body, f) for f in _SAMPLING_FIELDS if getattr(body, f) is not None}
         name, params = resolve_algorithm(self.config.replica, self.spec, body.algorithm)
         try:
@@ -463,14 +461,14 @@ class Ingress:
                 raise bad_request(f"algorithm '{name}' has no parameter '{field}'", param=field)
         params.update(body.algorithm_params or {})
         try:
-            algorithm.make_params(params)
+            made = algorithm.make_params(params)
         except AlgorithmError as exc:  # named as the client sent it: a top-level field or algorithm_params.<name>
             param = (f"algorithm_params.{exc.param}" if exc.param in (body.algorithm_params or {})
                      else exc.param if exc.param in requested else "algorithm_params")
             raise bad_request(str(exc), param=param)
-        if params.get("seed") is None:  # a resumed request must draw what the first replica would have
-            params = {**params, "seed": secrets.randbits(63)}
-        return name, params
+        if made.seed is None and algorithm.draws_noise(made):  # a resumed request draws what the first would have
+            params["seed"] = secrets.randbits(63)
+        return algorithm, params, made
 
     @property
     def max_model_len(self) -> int:
