@@ -9,7 +9,8 @@ cheapest checks first:
 2. admission's bound: 429 without reading the body when even a one-block request would
    be refused now (``AdmissionController.quick_refusal``). Steps 1-2 read only headers;
    ``cluster.completion_path`` runs them, and then the route, below FastAPI's machinery;
-3. the body parsed and validated (400, 404), then the bound again for its output blocks;
+3. the body parsed and validated (400, 404), then the bound again for its output blocks, and
+   a prompt of more characters than the model's context holds (``MAX_CHARS_PER_TOKEN``) refused;
 4. chat template and tokenization (in a worker thread for long prompts, inline otherwise:
    a short one costs less than the hop to a thread);
 5. the exact cost charged (``try_admit``), or 429.
@@ -82,6 +83,9 @@ app.add_middleware(http_tally.HttpTally)  # outermost: it counts every response,
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "threshold")
 INLINE_PREPARE_CHARS = 4096  # prompts (or chats) up to this many characters are tokenized on the event loop
+# far more characters a token than text averages (3-5): a prompt of more than max_model_len times
+# this many is refused before it is tokenized
+MAX_CHARS_PER_TOKEN = 32
 
 
 # Module-level helpers of the Ingress class go above it: `serve.ingress` copies the class
@@ -504,8 +508,24 @@ class Ingress:
                 and (deadline is None or (type(deadline) in (int, float) and 0 < deadline < math.inf)):
             self._refuse_output_bound(limit, n, prompts, deadline)
 
+    def _refuse_past_the_context(self, body: protocol.SamplingFields, chat: bool, chars: int) -> None:
+        """400 ``context_length_exceeded``, before any tokenizing, for a prompt (a chat: its
+        messages) of more characters than ``max_model_len`` tokens hold at ``MAX_CHARS_PER_TOKEN``
+        each; ``chars``: every prompt's together."""
+        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if chars <= limit:
+            return
+        longest = chars if chat else max((len(p) for p in body.prompts if isinstance(p, str)), default=0)
+        if longest > limit:  # (token ids: the model's own check counts them)
+            what = "the messages have" if chat else "a prompt has"
+            raise bad_request(f"{what} {longest} characters, over the {limit} that {self.max_model_len} tokens "
+                              f"(this model's limit) hold at {MAX_CHARS_PER_TOKEN} characters a token",
+                              param="messages" if chat else "prompt", code="context_length_exceeded")
+
     async def _serve(self, body: protocol.SamplingFields, chat: bool, slot: KeySlot):
         self._refuse_output_bound(body.output_limit, body.n, _prompt_count(body), body.deadline_s)
+        chars = _prompt_chars(body)
+        self._refuse_past_the_context(body, chat, chars)
 
         def prepare() -> list[GenerateRequest]:
             prompts = self._prompts(body)
@@ -519,7 +539,7 @@ class Ingress:
                     raise
             return jobs
 
-        if _prompt_chars(body) <= INLINE_PREPARE_CHARS:
+        if chars <= INLINE_PREPARE_CHARS:
             jobs = prepare()
         else:
             jobs = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)

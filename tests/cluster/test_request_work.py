@@ -1,13 +1,16 @@
 """A request costs the ingress and the replica no work it does not need: a greedy request
-draws no seed, so the replica's kept parameters serve it without validating them again."""
+draws no seed, so the replica's kept parameters serve it without validating them again; a
+prompt far past the model's context is refused before it is tokenized."""
 
 import asyncio
+import json
 
 import pytest
 
 from replicas.deployment import EngineReplica
 from replicas.settings import EngineConfig
-from test_ingress_path import PROMPT, answer
+from cluster.ingress import MAX_CHARS_PER_TOKEN
+from test_ingress_path import PROMPT, answer, make_ingress as counting_ingress
 from test_input_bounds import completion, ingress_over, make_ingress
 
 
@@ -50,3 +53,23 @@ def test_a_request_that_draws_gets_a_seed_for_its_failover(fields):
     plain, instance = make_ingress()
     served(plain, instance, completion(**fields))
     assert isinstance(instance.sent[-1].params.algorithm_params["seed"], int)
+
+
+def test_a_prompt_past_what_the_context_holds_is_refused_untokenized():
+    """More characters than ``max_model_len`` tokens hold at ``MAX_CHARS_PER_TOKEN`` each:
+    400 ``context_length_exceeded`` with neither the chat template nor the tokenizer run."""
+    plain, instance = counting_ingress()
+    limit = instance.max_model_len * MAX_CHARS_PER_TOKEN
+    over = [(completion(prompt="1" * (limit + 1)), "/v1/completions", "prompt"),
+            (completion(prompt=[PROMPT, "1" * (limit + 1)], max_tokens=16), "/v1/completions", "prompt"),
+            ({"model": "tiny", "max_tokens": 16, "messages": [{"role": "user", "content": "1" * (limit // 2 + 1)}] * 2},
+             "/v1/chat/completions", "messages")]
+    for body, path, param in over:
+        response = asyncio.run(answer(plain, instance, body, path=path))
+        error = json.loads(response.body)["error"]
+        assert response.status_code == 400 and (error["param"], error["code"]) == (param, "context_length_exceeded")
+    assert instance.tokenizer.calls == 0 and not instance.tokenizer.threads
+    within = [PROMPT, PROMPT + " " * (limit - len(PROMPT))]  # the tiny tokenizer drops whitespace: it fits
+    assert asyncio.run(answer(plain, instance, completion(prompt=within))).status_code == 200
+    ids = asyncio.run(answer(plain, instance, completion(prompt=[[5] * (limit // 2 + 1)] * 2)))  # the model's check
+    assert ids.status_code == 400 and json.loads(ids.body)["error"]["code"] == "context_length_exceeded"
