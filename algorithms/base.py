@@ -39,7 +39,7 @@ import torch
 # Bounds every algorithm applies to the common parameters (README "Request bounds").
 MAX_SEED = 2**63 - 1  # seeds are 63-bit, like the ones the ingress draws
 MAX_TEMPERATURE = 100.0  # sampling is as good as uniform long before this
-MIN_TEMPERATURE = 1e-4  # the smallest positive temperature (0 = greedy): logits / T stays finite in float32
+MIN_TEMPERATURE = 1e-4  # the smallest positive temperature (logits / T stays finite in float32); below: greedy
 
 
 class AlgorithmError(ValueError):
@@ -89,11 +89,12 @@ class AlgorithmParams:
     temperature: float = 0.0
     seed: int | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, float) and 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # below the smallest supported: greedy (as vLLM's)
+
     def validate(self) -> None:
         check_number("temperature", self.temperature, minimum=0, maximum=MAX_TEMPERATURE)
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise AlgorithmError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
-                                 f"got {short_repr(self.temperature)}", param="temperature")
         if self.seed is not None:
             check_number("seed", self.seed, minimum=0, maximum=MAX_SEED, integer=True)
 
@@ -127,6 +128,11 @@ class DllmAlgorithm(ABC):
     def init_state(self, params: AlgorithmParams, block_index: int) -> Any | None:
         """Fresh per-row state for a block that starts now; None for stateless rules."""
         return None
+
+    def draws_noise(self, params: AlgorithmParams) -> bool:
+        """Whether a block run with ``params`` draws random numbers (seeded by ``params.seed``);
+        where it does not, any seed gives the same tokens."""
+        return params.temperature > 0
 
     @abstractmethod
     def max_steps_per_block(self, params: AlgorithmParams, block_length: int) -> int:

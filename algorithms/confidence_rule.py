@@ -31,7 +31,7 @@ class ConfidenceRule(DllmAlgorithm):
     choose_on_host: ClassVar[Callable[..., np.ndarray] | None] = None
 
     def init_state(self, params: AlgorithmParams, block_index: int) -> RowNoise | None:
-        return RowNoise.for_block(params.seed, block_index) if params.temperature > 0 else None
+        return RowNoise.for_block(params.seed, block_index) if self.draws_noise(params) else None
 
     def max_steps_per_block(self, params: AlgorithmParams, block_length: int) -> int:
         # At least one mask is filled per forward, plus the forward that sees none.

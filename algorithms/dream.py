@@ -68,8 +68,10 @@ class Dream(DllmAlgorithm):
     fills_every_step = False
 
     def init_state(self, params: DreamParams, block_index: int) -> DreamState:
-        random = params.temperature > 0 or params.alg_temp > 0 or params.alg == "origin"
-        return DreamState(RowNoise.for_block(params.seed, block_index) if random else None)
+        return DreamState(RowNoise.for_block(params.seed, block_index) if self.draws_noise(params) else None)
+
+    def draws_noise(self, params: DreamParams) -> bool:
+        return params.temperature > 0 or params.alg_temp > 0 or params.alg == "origin"
 
     def max_steps_per_block(self, params: DreamParams, block_length: int) -> int:
         # the last scheduled step unmasks whatever is left; one more forward sees the block whole

@@ -62,8 +62,10 @@ class FixedSteps(DllmAlgorithm):
     params_class = FixedStepsParams
 
     def init_state(self, params: FixedStepsParams, block_index: int) -> FixedStepsState:
-        random = params.temperature > 0 or params.remasking == "random"
-        return FixedStepsState(RowNoise.for_block(params.seed, block_index) if random else None)
+        return FixedStepsState(RowNoise.for_block(params.seed, block_index) if self.draws_noise(params) else None)
+
+    def draws_noise(self, params: FixedStepsParams) -> bool:
+        return params.temperature > 0 or params.remasking == "random"
 
     def max_steps_per_block(self, params: FixedStepsParams, block_length: int) -> int:
         # A block with m masks takes min(steps, m) filling forwards, plus the one that sees none.

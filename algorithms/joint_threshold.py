@@ -63,8 +63,7 @@ class JointThreshold(DllmAlgorithm):
     final_when_filled = False  # the forwards after the last fill may edit
 
     def init_state(self, params: JointThresholdParams, block_index: int) -> JointThresholdState:
-        noise = RowNoise.for_block(params.seed, block_index) if params.temperature > 0 else None
-        return JointThresholdState(noise)
+        return JointThresholdState(RowNoise.for_block(params.seed, block_index) if self.draws_noise(params) else None)
 
     def max_steps_per_block(self, params: JointThresholdParams, block_length: int) -> int:
         return block_length + params.max_post_edit_steps + 1

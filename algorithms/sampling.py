@@ -42,13 +42,17 @@ class Proposal(NamedTuple):
 class TopKTopPParams(AlgorithmParams):
     """Sampling filters of SGLang / LLaDA2.0; only used when temperature > 0."""
 
-    top_k: int = 0  # keep the k most likely tokens; 0 = no limit
-    top_p: float = 1.0  # keep tokens whose more likely tokens hold <= p of the mass; 1 = no limit
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 (vLLM's) = no limit
+    top_p: float = 1.0  # keep tokens whose more likely tokens hold <= p of the mass; 1 = no limit, 0 = the top one
 
     def validate(self) -> None:
         super().validate()
-        check_number("top_k", self.top_k, minimum=0, maximum=MAX_TOP_K, integer=True)
-        check_number("top_p", self.top_p, minimum=0, maximum=1, exclusive_minimum=True)
+        check_number("top_k", self.top_k, minimum=-1, maximum=MAX_TOP_K, integer=True)
+        check_number("top_p", self.top_p, minimum=0, maximum=1)
+
+
+# the filters' values that filter nothing: a rule without the filter takes them as absent
+NO_FILTER = {"top_k": (0, -1), "top_p": (1,)}
 
 
 @dataclasses.dataclass

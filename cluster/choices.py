@@ -2,7 +2,8 @@
 
 Each choice is a request of its own to the replicas (its own id, so that each may fail
 over on its own), with the seed the request drew plus its index, so that sampled choices
-differ and a seeded request gives the same n answers again.
+differ and a seeded request gives the same n answers again (greedy choices have no seed
+and are alike).
 """
 
 from __future__ import annotations

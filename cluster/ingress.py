@@ -9,7 +9,8 @@ cheapest checks first:
 2. admission's bound: 429 without reading the body when even a one-block request would
    be refused now (``AdmissionController.quick_refusal``). Steps 1-2 read only headers;
    ``cluster.completion_path`` runs them, and then the route, below FastAPI's machinery;
-3. the body parsed and validated (400, 404), then the bound again for its output blocks;
+3. the body parsed and validated (400, 404), then the bound again for its output blocks, and
+   a prompt of more characters than the model's context holds (``MAX_CHARS_PER_TOKEN``) refused;
 4. chat template and tokenization (in a worker thread for long prompts, inline otherwise:
    a short one costs less than the hop to a thread);
 5. the exact cost charged (``try_admit``), or 429.
@@ -46,7 +47,8 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from algorithms import AlgorithmError, get_algorithm
+from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
+from algorithms.sampling import NO_FILTER
 from cluster import completion_path, http_tally, protocol
 from cluster.admission import AdmissionController, Charge, Decision
 from cluster.auth import ApiKey, KeyRing, KeySlot, load_keys
@@ -83,6 +85,9 @@ app.add_middleware(http_tally.HttpTally)  # outermost: it counts every response,
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "threshold")
 INLINE_PREPARE_CHARS = 4096  # prompts (or chats) up to this many characters are tokenized on the event loop
+# far more characters a token than text averages (3-5): a prompt of more than max_model_len times
+# this many is refused before it is tokenized
+MAX_CHARS_PER_TOKEN = 32
 
 
 # Module-level helpers of the Ingress class go above it: `serve.ingress` copies the class
@@ -412,21 +417,19 @@ class Ingress:
             message = f"the messages as the chat template renders them: {problem.message}" if chat else problem.message
             raise bad_request(message, param="messages" if chat else "prompt",
                               code="context_length_exceeded" if problem.too_long else None)
-        algorithm_name, algorithm_params = self._algorithm(body)
-        algorithm = get_algorithm(algorithm_name)
-        worst = algorithm.worst_case_steps(algorithm.make_params(algorithm_params), block,
-                                           self.config.replica.fused_commit)
+        algorithm, algorithm_params, made = self._algorithm(body)
+        worst = algorithm.worst_case_steps(made, block, self.config.replica.fused_commit)
         # aligned blocks: the first answer block also holds the prompt's end
         head = aligned_head(len(prompt_ids), block, self.shape.aligned)
         # the engine's own parameters (every field checked above: its checks cannot refuse them)
         params = SamplingParams(
-            max_tokens=max_tokens, stop=tuple(body.stop or ()), algorithm=algorithm_name,
+            max_tokens=max_tokens, stop=tuple(body.stop or ()), algorithm=algorithm.name,
             algorithm_params=algorithm_params, ignore_eos=body.ignore_eos, logprobs=body.logprobs_asked,
             timeout_s=min((t for t in (self.config.request_timeout_s, body.deadline_s) if t is not None), default=None),
             suffix_ids=suffix_ids, adaptive=(body.quality or self.config.quality.default) == "adaptive")
         cost = self.admission.cost(head + max_tokens, block, worst, self.shape.max_cost)
         if params.adaptive:
-            cost = self._adaptive_cost(cost, algorithm_name)
+            cost = self._adaptive_cost(cost, algorithm.name)
         hashes = page_hashes(prompt_ids, block) if self.shape.prefix_cache else ()
         # the prompt's pages the replicas compute, less those of the longest prefix this ingress
         # sent: likely cached where it went
@@ -454,29 +457,31 @@ class Ingress:
                               param="suffix")
         return tuple(self.encode(suffix, True))
 
-    def _algorithm(self, body: protocol.SamplingFields) -> tuple[str, dict]:
-        """The request's algorithm and parameters: its sampling fields and algorithm_params
-        on top of the default (``replicas.settings.resolve_algorithm``)."""
+    def _algorithm(self, body: protocol.SamplingFields) -> tuple[DllmAlgorithm, dict, AlgorithmParams]:
+        """The request's algorithm, its parameters (its sampling fields and algorithm_params
+        on top of the default: ``replicas.settings.resolve_algorithm``) and those validated."""
         requested = {f: getattr(body, f) for f in _SAMPLING_FIELDS if getattr(body, f) is not None}
-        name, params = resolve_algorithm(self.config.replica, self.spec, body.algorithm,
-                                         {**requested, **(body.algorithm_params or {})})
+        name, params = resolve_algorithm(self.config.replica, self.spec, body.algorithm)
         try:
             algorithm = get_algorithm(name)
         except AlgorithmError as exc:
             raise bad_request(str(exc), param="algorithm")
-        known = set(algorithm.params_class.__dataclass_fields__)
-        for field in requested:
-            if field not in known:
+        known = algorithm.params_class.__dataclass_fields__
+        for field, value in requested.items():
+            if field in known:
+                params[field] = value
+            elif value not in NO_FILTER.get(field, ()):  # a filter's neutral value is as if absent
                 raise bad_request(f"algorithm '{name}' has no parameter '{field}'", param=field)
+        params.update(body.algorithm_params or {})
         try:
-            algorithm.make_params(params)
+            made = algorithm.make_params(params)
         except AlgorithmError as exc:  # named as the client sent it: a top-level field or algorithm_params.<name>
             param = (f"algorithm_params.{exc.param}" if exc.param in (body.algorithm_params or {})
                      else exc.param if exc.param in requested else "algorithm_params")
             raise bad_request(str(exc), param=param)
-        if params.get("seed") is None:  # a resumed request must draw what the first replica would have
-            params = {**params, "seed": secrets.randbits(63)}
-        return name, params
+        if made.seed is None and algorithm.draws_noise(made):  # a resumed request draws what the first would have
+            params["seed"] = secrets.randbits(63)
+        return algorithm, params, made
 
     @property
     def max_model_len(self) -> int:
@@ -512,8 +517,24 @@ class Ingress:
                 and (deadline is None or (type(deadline) in (int, float) and 0 < deadline < math.inf)):
             self._refuse_output_bound(limit, n, prompts, deadline)
 
+    def _refuse_past_the_context(self, body: protocol.SamplingFields, chat: bool, chars: int) -> None:
+        """400 ``context_length_exceeded``, before any tokenizing, for a prompt (a chat: its
+        messages) of more characters than ``max_model_len`` tokens hold at ``MAX_CHARS_PER_TOKEN``
+        each; ``chars``: every prompt's together."""
+        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if chars <= limit:
+            return
+        longest = chars if chat else max((len(p) for p in body.prompts if isinstance(p, str)), default=0)
+        if longest > limit:  # (token ids: the model's own check counts them)
+            what = "the messages have" if chat else "a prompt has"
+            raise bad_request(f"{what} {longest} characters, over the {limit} that {self.max_model_len} tokens "
+                              f"(this model's limit) hold at {MAX_CHARS_PER_TOKEN} characters a token",
+                              param="messages" if chat else "prompt", code="context_length_exceeded")
+
     async def _serve(self, body: protocol.SamplingFields, chat: bool, slot: KeySlot):
         self._refuse_output_bound(body.output_limit, body.n, _prompt_count(body), body.deadline_s)
+        chars = _prompt_chars(body)
+        self._refuse_past_the_context(body, chat, chars)
 
         def prepare() -> list[GenerateRequest]:
             prompts = self._prompts(body)
@@ -527,7 +548,7 @@ class Ingress:
                     raise
             return jobs
 
-        if _prompt_chars(body) <= INLINE_PREPARE_CHARS:
+        if chars <= INLINE_PREPARE_CHARS:
             jobs = prepare()
         else:
             jobs = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)

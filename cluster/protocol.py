@@ -153,13 +153,14 @@ class SamplingFields(_UnhonouredFields):
     @field_validator("stop", mode="before")
     @classmethod
     def _stops(cls, stop):
-        """As a list; one error for any other shape or size (not one per branch of the union)."""
+        """As a list, less empty strings (they stop nothing, as OpenAI takes them); one error
+        for any other shape or size (not one per branch of the union)."""
         stops = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
         if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or any(
-                not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings of at most "
+                not isinstance(s, str) or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"must be a string or a list of up to {MAX_STOP_STRINGS} strings of at most "
                              f"{MAX_STOP_CHARS} characters")
-        return stops
+        return [s for s in stops if s]
 
     @field_validator("stream_options")
     @classmethod
@@ -276,6 +277,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]]
 
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, role):
+        """OpenAI's ``developer`` messages are the served templates' ``system`` ones (Qwen's,
+        which Dream and SDAR use, render nothing of a role they do not know)."""
+        return "system" if role == "developer" else role
+
     @field_validator("content", mode="before")
     @classmethod
     def _string_or_parts(cls, content):
@@ -299,7 +307,7 @@ class ChatMessage(BaseModel):
                 if not isinstance(part.get("text"), str):
                     raise ValueError("a text part needs its text (a string)")
                 parts.append(part["text"])
-            content = "".join(parts)
+            content = "\n".join(parts)  # one line each, as vLLM joins them
         limit = _limits(info).max_prompt_chars
         if len(content) > limit:
             raise ValueError(f"the content has {len(content)} characters; this server takes at most {limit}")

@@ -26,9 +26,11 @@ EDGES = [
     *[(name, "seed", 0, -1) for name in available_algorithms()],
     *[(name, "temperature", MAX_TEMPERATURE, math.nextafter(MAX_TEMPERATURE, math.inf))
       for name in available_algorithms()],
-    *[(name, "temperature", MIN_TEMPERATURE, math.nextafter(MIN_TEMPERATURE, 0)) for name in available_algorithms()],
+    *[(name, "temperature", 0, -5e-324) for name in available_algorithms()],
     *[(name, "top_k", MAX_TOP_K, MAX_TOP_K + 1) for name in SAMPLING],
-    *[(name, "top_k", 0, -1) for name in SAMPLING],
+    *[(name, "top_k", -1, -2) for name in SAMPLING],
+    *[(name, "top_p", 0, -5e-324) for name in SAMPLING],
+    *[(name, "top_p", 1, math.nextafter(1, 2)) for name in SAMPLING],
     ("joint_threshold", "max_post_edit_steps", MAX_POST_EDIT_STEPS, MAX_POST_EDIT_STEPS + 1),
     ("joint_threshold", "penalty_lambda", MAX_PENALTY_LAMBDA, MAX_PENALTY_LAMBDA * 1.001),
     ("fixed_steps", "steps", MAX_STEPS, MAX_STEPS + 1),
@@ -50,13 +52,14 @@ def test_each_bound_is_inclusive_and_the_next_value_is_refused_naming_the_parame
     assert error.value.param == key
 
 
-def test_temperature_zero_is_greedy_and_tiny_positive_ones_are_refused():
-    algorithm = get_algorithm("low_confidence")
-    assert algorithm.make_params({"temperature": 0}).temperature == 0
-    for value in (1e-300, 5e-324, 1e-9):
-        with pytest.raises(AlgorithmError, match="temperature must be 0") as error:
-            algorithm.make_params({"temperature": value})
-        assert error.value.param == "temperature"
+def test_a_temperature_below_the_smallest_supported_is_greedy():
+    """As vLLM takes them: no noise is drawn, and the rule sees temperature 0."""
+    for name in available_algorithms():
+        algorithm = get_algorithm(name)
+        for value in (1e-300, 5e-324, 1e-9, math.nextafter(MIN_TEMPERATURE, 0)):
+            params = algorithm.make_params({"temperature": value})
+            assert params.temperature == 0 and params == algorithm.make_params({"temperature": 0})
+        assert algorithm.make_params({"temperature": MIN_TEMPERATURE}).temperature == MIN_TEMPERATURE
 
 
 def test_the_issue_case_is_refused_before_it_reaches_a_tensor():

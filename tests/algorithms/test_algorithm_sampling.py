@@ -64,7 +64,8 @@ def test_categorical_temperature_sharpens():
 
 @pytest.mark.parametrize(
     ("filters", "allowed"),
-    [({"top_k": 1}, {0}), ({"top_k": 2}, {0, 1}), ({"top_p": 0.4}, {0}), ({"top_p": 0.6}, {0, 1})],
+    [({"top_k": 1}, {0}), ({"top_k": 2}, {0, 1}), ({"top_p": 0.4}, {0}), ({"top_p": 0.6}, {0, 1}),
+     ({"top_p": 0}, {0}), ({"top_k": -1}, {0, 1, 2})],
 )
 def test_top_k_and_top_p_restrict_the_draw(filters, allowed):
     p = params(temperature=1.0, seed=0, **filters)

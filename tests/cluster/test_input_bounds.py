@@ -67,8 +67,12 @@ OUT_OF_BOUNDS = [
     ("max_completion_tokens past the model", completion(max_completion_tokens=10 ** 6), "max_completion_tokens"),
     ("temperature nan", completion(temperature=float("nan")), "temperature"),
     ("temperature too high", completion(temperature=100.5), "temperature"),
-    ("temperature too small", completion(temperature=1e-9), "temperature"),
-    ("top_p 0", completion(top_p=0.0), "top_p"),
+    ("temperature negative", completion(temperature=-1), "temperature"),
+    ("top_p past 1", completion(top_p=1.5), "top_p"),
+    ("top_p negative", completion(top_p=-0.1), "top_p"),
+    ("top_k -2", completion(top_k=-2), "top_k"),
+    ("a nucleus cut on a rule without one", completion(algorithm="fixed_steps", top_p=0.9), "top_p"),
+    ("a top-k cut on a rule without one", completion(algorithm="fast_dllm_factor", top_k=5), "top_k"),
     ("top_k past the cap", completion(top_k=MAX_TOP_K + 1), "top_k"),
     ("top_k 1e20", completion(top_k=1e20), "top_k"),
     ("negative seed", completion(seed=-1), "seed"),
@@ -124,7 +128,10 @@ def ingress_over(generate, **settings):
 
 
 def make_ingress(**settings):
-    return ingress_over(Replicas().generate.remote, **settings)
+    replicas = Replicas()
+    plain, instance = ingress_over(replicas.generate.remote, **settings)
+    instance.sent = replicas.jobs  # what reached the replicas
+    return plain, instance
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +163,37 @@ def test_the_limits_at_their_bounds_are_served(ingress):
     for path, body in edge:
         response = asyncio.run(answer(plain, instance, body, path=path))
         assert response.status_code == 200, (body, response.body)
+
+
+NO_FILTERS = ["fixed_steps", "fast_dllm_threshold", "fast_dllm_factor"]  # the rules without top_p / top_k
+
+
+@pytest.mark.parametrize("name", NO_FILTERS)
+def test_neutral_openai_values_are_taken_as_absent(ingress, name):
+    """What clients send by default: top_p 1 and top_k 0 or -1 filter nothing, so a rule
+    without the filters serves them as absent; an empty stop string stops nothing."""
+    plain, instance = ingress
+    for top_k in (0, -1):
+        body = completion(algorithm=name, top_p=1, top_k=top_k, temperature=1, stop="")
+        response = asyncio.run(answer(plain, instance, body))
+        assert response.status_code == 200, (body, response.body)
+        params = instance.sent[-1].params
+        assert "top_p" not in params.algorithm_params and "top_k" not in params.algorithm_params
+        assert params.algorithm_params["temperature"] == 1 and params.stop == ()
+
+
+def test_the_values_openai_and_vllm_take_are_served(ingress):
+    """top_p 0 keeps the most likely token, top_k -1 keeps every token (vLLM's "no
+    limit"), a temperature below the smallest supported is greedy, an empty stop string
+    among others is dropped."""
+    plain, instance = ingress
+    body = completion(top_p=0, top_k=-1, temperature=1e-5, stop=["", "4"])
+    response = asyncio.run(answer(plain, instance, body))
+    assert response.status_code == 200, response.body
+    params = instance.sent[-1].params
+    assert params.stop == ("4",)
+    made = get_algorithm("low_confidence").make_params(params.algorithm_params)
+    assert (made.top_p, made.top_k, made.temperature) == (0, -1, 0)
 
 
 def test_the_chat_and_prompt_limits_come_from_the_settings():

@@ -252,6 +252,12 @@ def test_neutral_values_and_unknown_fields_are_accepted(cluster):
         "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "logit_bias": {},
         "presence_penalty": 0, "store": False, "metadata": {"a": "b"}, "some_future_field": 1})
     assert response.status_code == 200, response.text
+    # what clients send by default, to a rule without top_p / top_k; a developer message; text parts
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    chat = client.chat.completions.create(
+        model="tiny", max_tokens=8, top_p=1, temperature=1e-5, stop="", extra_body={"algorithm": "fixed_steps", "top_k": -1},
+        messages=[{"role": "developer", "content": "Solve."}, {"role": "user", "content": [{"type": "text", "text": "1.3."}]}])
+    assert chat.choices[0].finish_reason in ("stop", "length")
 
 
 def test_64_concurrent_requests_on_two_replicas_match_offline_accuracy(cluster):

@@ -201,12 +201,13 @@ def test_ingress_builds_the_request_the_replica_takes(ingress, replica):
     request = ingress._prepare(body, body.prompt)
     assert isinstance(request, GenerateRequest) and request.params.stop == ("x",)
     assert ingress._prepare(CompletionRequest(model="tiny", prompt="1.3."), "1.3.").params.stop == ()
-    params = request.params
-    seed = params.algorithm_params.pop("seed")  # drawn for the request, so that a failover draws the same
-    assert isinstance(seed, int) and 0 <= seed < 2 ** 63
+    params = request.params  # greedy: no seed, nothing drawn
     assert (params.algorithm, params.algorithm_params) == resolve_algorithm(
         ingress.config.replica, ingress.spec, None, {"threshold": 0.5})
     assert request.cost == replica.worst_case_cost(request.prompt_ids, params)
+    sampled = ingress._prepare(CompletionRequest(model="tiny", prompt="1.3.", temperature=0.5), "1.3.").params
+    seed = sampled.algorithm_params["seed"]  # drawn for the request, so that a failover draws the same
+    assert isinstance(seed, int) and 0 <= seed < 2 ** 63
 
 
 def test_generate_runs_with_engine_flags_and_request_params(capsys):
