@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.requests import ClientDisconnect
 
 from algorithms import AlgorithmError, get_algorithm
 from cluster import completion_path, http_tally, protocol
@@ -53,8 +54,8 @@ from cluster.auth import ApiKey, KeyRing, KeySlot, load_keys
 from cluster.choices import merged, rows
 from cluster.config import AppConfig
 from cluster.disconnects import unless_disconnected
-from cluster.errors import (APIError, bad_request, install_error_handlers, internal_error, logged_failure,
-                            validation_error)
+from cluster.errors import (APIError, bad_request, client_left, install_error_handlers, internal_error,
+                            logged_failure, validation_error)
 from cluster.failover import Failover, ReplicaFailed, RequestTimedOut
 from cluster.front_door import FrontDoor
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
@@ -273,6 +274,8 @@ class Ingress:
             response = await self._generate(Request(scope, receive), scope["path"] == completion_path.CHAT_PATH, key)
         except APIError as exc:
             response = exc.response()
+        except ClientDisconnect:
+            response = client_left(scope["method"], scope["path"])
         except Exception as exc:
             response = logged_failure(scope["method"], scope["path"], exc).response()
         await response(scope, receive, send)
