@@ -160,7 +160,7 @@ def start_metrics_actor(config: AppConfig):
     actor = ray.remote(MetricsActor).options(
         name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_restarts=-1, resources={"node:__internal_head__": 0.001},
-    ).remote(config.host, config.metrics_port, stale_after_s(config.stats_period_s))
+    ).remote(config.host, config.metrics_port, stale_after_s(config.stats_period_s), config.slo.latency_or_floor_s)
     return ray.get(actor.ready.remote(), timeout=METRICS_ACTOR_START_S)
 
 

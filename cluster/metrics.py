@@ -49,6 +49,7 @@ class MetricSpec:
     help: str
     labels: tuple[str, ...] = ("replica",)
     buckets: tuple[float, ...] | None = None
+    slo_bound: bool = False  # the latency SLO is one of its bucket bounds (the alert rules read it: cluster.alerts)
 
 
 class SummedHistogram:
@@ -100,7 +101,7 @@ METRICS = (
     MetricSpec("dllm_blocks_committed_total", Counter, "Blocks committed"),
     MetricSpec("dllm_steps_per_block", Histogram, "Forwards a block took until it committed", buckets=_STEPS_BUCKETS),
     MetricSpec("dllm_requests_total", Counter, "Requests ended, by finish reason (stop, length, abort, error)", ("replica", "finish_reason")),
-    MetricSpec("dllm_request_latency_seconds", Histogram, "End-to-end request latency inside the replica", buckets=_LATENCY_BUCKETS),
+    MetricSpec("dllm_request_latency_seconds", Histogram, "End-to-end request latency inside the replica", buckets=_LATENCY_BUCKETS, slo_bound=True),
     MetricSpec("dllm_time_to_first_block_seconds", Histogram, "Time from arrival at the replica to the first committed block", buckets=_LATENCY_BUCKETS),
     MetricSpec("dllm_free_pages", Gauge, "KV pages held by no request (a page holds one block): unused, or cached and unreferenced"),
     MetricSpec("dllm_total_pages", Gauge, "KV pages usable by requests"),
@@ -125,6 +126,13 @@ METRICS = (
     MetricSpec("dllm_http_response_seconds", SummedHistogram, "Time from a request's arrival at an ingress replica's app to its response's last byte", (), buckets=HTTP_SECONDS_BOUNDS),
     MetricSpec("dllm_replicas", Gauge, "Replicas that reported recently (replicas.reports.stale_after_s: 10 s or 20 stats periods)", ()),
 )
+
+
+def bucket_bounds(spec: MetricSpec, slo_latency_s: float | None) -> tuple[float, ...]:
+    """A histogram's bucket bounds, the SLO among them where it has ``slo_bound``."""
+    extra = {slo_latency_s} if spec.slo_bound and slo_latency_s else set()
+    return tuple(sorted({*spec.buckets, *extra}))
+
 
 # gauge name -> field (or property) of the replica's routing stats (``ReplicaStats``)
 _GAUGE_SOURCES = {
@@ -152,14 +160,15 @@ _TOTAL_SOURCES = {
 
 
 class MetricsExporter:
-    def __init__(self, stale_after_s: float = MIN_STALE_S):
-        """A replica or ingress silent for ``stale_after_s`` (``replicas.reports.stale_after_s``) is gone."""
+    def __init__(self, stale_after_s: float = MIN_STALE_S, slo_latency_s: float | None = None):
+        """A replica or ingress silent for ``stale_after_s`` (``replicas.reports.stale_after_s``) is gone;
+        ``slo_latency_s`` is a bucket bound of the ``slo_bound`` histograms."""
         self.stale_after_s = stale_after_s
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self.metrics = {}
         for spec in METRICS:
-            kwargs = {"buckets": spec.buckets} if spec.buckets else {}
+            kwargs = {"buckets": bucket_bounds(spec, slo_latency_s)} if spec.buckets else {}
             self.metrics[spec.name] = spec.kind(spec.name, spec.help, spec.labels, registry=self.registry, **kwargs)
         self._last_seen: dict[str, float] = {}
         self._views: dict[str, ReplicaStats] = {}
@@ -314,8 +323,8 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int,
 class MetricsActor(MetricsExporter):
     """Run as a named Ray actor: serves the registry on ``host:port`` from a thread."""
 
-    def __init__(self, host: str, port: int, stale_after_s: float = MIN_STALE_S):
-        super().__init__(stale_after_s)
+    def __init__(self, host: str, port: int, stale_after_s: float = MIN_STALE_S, slo_latency_s: float | None = None):
+        super().__init__(stale_after_s, slo_latency_s)
         self.address = f"http://{host}:{port}/metrics"
         self._server = serve_metrics(self.registry, host, port)
 
