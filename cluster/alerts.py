@@ -4,7 +4,9 @@ Their latency thresholds are the config's SLO (``slo.latency_s``; where it is le
 derived at run time, its floor: ``SLOSettings.latency_or_floor_s``), and the metrics actor
 makes that SLO a bucket bound of ``dllm_request_latency_seconds``, so the burn-rate rule
 reads the share of requests over it exactly. Job names are those of
-deploy/prometheus: ``dllm`` (the metrics actor) and ``ray``.
+deploy/prometheus: ``dllm`` (the metrics actor) and ``ray``. A stream's status, 200, goes out
+before its end: the server-error rule counts the error events that end streams too
+(``dllm_stream_errors_total``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from cluster.config import AppConfig
 
 BURN_BUDGET = 0.01  # the share of requests that may exceed the SLO
 FAST_BURN = 14.4  # page when that budget burns this many times too fast (Google SRE's 1 h / 5 min pair)
+SERVER_ERROR_SHARE = 0.01  # warn when more requests than this end in an error of ours
 
 
 def _rule(alert: str, expr: str, for_: str | None, severity: str, summary: str) -> dict:
@@ -43,6 +46,12 @@ and
 {_share_over(slo, "5m")} > {burn}
 """, None, "critical", f"requests over the {slo:g} s latency SLO burn the {BURN_BUDGET:.0%} error budget "
                        f"{FAST_BURN:g}x too fast (over the last hour and the last 5 minutes)"),
+        _rule("DllmServerErrors", f"""
+((sum(rate(dllm_http_responses_total{{code=~"5.."}}[5m])) or vector(0))
+  + (sum(rate(dllm_stream_errors_total{{code=~"5.."}}[5m])) or vector(0)))
+  / clamp_min(sum(rate(dllm_http_responses_total[5m])), 1e-9) > {SERVER_ERROR_SHARE:g}
+""", "5m", "warning", "{{ $value | humanizePercentage }} of requests end in an error of ours: a 5xx, or an "
+                      "error event inside a stream sent as 200 (timeout, replica failure, internal error)"),
         _rule("DllmStepQueueGrowing", """
 min_over_time(dllm_step_queue_length[10m]) > 0 and deriv(dllm_step_queue_length[10m]) > 0.05
 """, "5m", "warning", "replica {{ $labels.replica }}: its step queue has grown for 10 minutes"),

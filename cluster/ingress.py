@@ -163,6 +163,7 @@ class Ingress:
         self.admitted = 0
         self.failovers = 0
         self.rejected: Counter[str] = Counter()
+        self.stream_errors: Counter[str] = Counter()  # error events ending streams sent as 200, by their status
         settings = self.config.failover
         failover = dict(max_attempts=settings.max_attempts, backoff_s=settings.backoff_s,
                         block_length=self.shape.block_length, aligned=self.shape.aligned,
@@ -635,7 +636,7 @@ class Ingress:
             async for index, chunk in stream:
                 if chunk.error:
                     log.error("request %s failed: %s", request_id, chunk.error)
-                    yield protocol.sse_event(internal_error(request_id).body())
+                    yield self._error_event(internal_error(request_id))
                     break
                 logprobs = self._logprobs(chunk, answer.chat, text_offsets.get(index, 0))
                 if logprobs is not None and not answer.chat:
@@ -647,15 +648,21 @@ class Ingress:
                 yield protocol.sse_event(answer.body(model, [choice], chunk=True,
                                                      extra={"dllm": self._dllm_info(answer.job, chunk)}))
         except APIError as exc:
-            yield protocol.sse_event(exc.body())
+            yield self._error_event(exc)
         except Exception:
             log.exception("request %s failed", request_id)
-            yield protocol.sse_event(internal_error(request_id).body())
+            yield self._error_event(internal_error(request_id))
         choices = len(answer.echoes)
         if include_usage and len(last) == choices and not any(c.error for c in last.values()):
             usage_ = _usage([last[i] for i in range(choices)], answer.n)
             yield protocol.sse_event(answer.body(model, [], chunk=True, usage_=usage_))
         yield "data: [DONE]\n\n"
+
+    def _error_event(self, error: APIError) -> str:
+        """The event that ends a stream with ``error``, counted by its status: the stream's
+        own status, 200, went out with its first event (``dllm_stream_errors_total``)."""
+        self.stream_errors[str(error.status)] += 1
+        return protocol.sse_event(error.body())
 
     def _logprobs(self, chunk: GenerateChunk, chat: bool, text_offset: int) -> dict | None:
         """The chunk's tokens' ``logprobs`` as the API shapes them; None when not asked."""
@@ -704,6 +711,7 @@ class Ingress:
         """This ingress's totals since it started (the metrics actor takes differences, so a
         report that is lost or sent twice changes nothing)."""
         return IngressReport(admitted=self.admitted, rejected=dict(self.rejected), failovers=self.failovers,
+                             stream_errors=dict(self.stream_errors),
                              outstanding=self.admission.outstanding, cpu_s=time.process_time(),
                              prediction_bias=self.admission.prediction_bias,
                              in_flight=self.in_flight, draining=self.draining, **http_tally.TALLY.report()).model_dump()

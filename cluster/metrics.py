@@ -39,6 +39,9 @@ BIND_RETRY_S = 30.0  # a restarted actor waits this long at most for its port to
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# the statuses a stream's own failures end with (internal error, replica failed, timeout): their
+# counters start at 0, so that the first one is an increase to a rule's rate()
+_STREAM_FAILURES = ("500", "503", "504")
 _STEPS_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
 
@@ -123,6 +126,7 @@ METRICS = (
     MetricSpec("dllm_admission_prediction_bias", Gauge, "How much longer than admission predicted its answers took lately, the mean over the ingress replicas (1: as predicted; above 1, admission lengthens its predictions by it)", ()),
     MetricSpec("dllm_ingress_cpu_seconds_total", Counter, "CPU seconds used by the ingress replicas' processes", ()),
     MetricSpec("dllm_http_responses_total", Counter, "HTTP responses sent by the ingress replicas, by status code", ("code",)),
+    MetricSpec("dllm_stream_errors_total", Counter, "Streams sent as 200 that ended in an error event, by the HTTP status of the error (internal error 500, replica failed 503, timeout 504, ...)", ("code",)),
     MetricSpec("dllm_http_response_seconds", SummedHistogram, "Time from a request's arrival at an ingress replica's app to its response's last byte", (), buckets=HTTP_SECONDS_BOUNDS),
     MetricSpec("dllm_replicas", Gauge, "Replicas that reported recently (replicas.reports.stale_after_s: 10 s or 20 stats periods)", ()),
 )
@@ -158,6 +162,13 @@ _TOTAL_SOURCES = {
     "dllm_prefix_evictions_total": "prefix_evictions",
 }
 
+# counter name -> field of an ``IngressReport`` holding its totals by label (reason or code)
+_LABELLED_INGRESS_TOTALS = {
+    "dllm_rejected_total": "rejected",
+    "dllm_http_responses_total": "responses",
+    "dllm_stream_errors_total": "stream_errors",
+}
+
 
 class MetricsExporter:
     def __init__(self, stale_after_s: float = MIN_STALE_S, slo_latency_s: float | None = None):
@@ -176,6 +187,8 @@ class MetricsExporter:
         self._ingress: dict[str, tuple[float, IngressReport]] = {}  # ingress id -> (last seen, last report)
         self.metrics["dllm_admitted_total"].inc(0)
         self.metrics["dllm_failovers_total"].inc(0)
+        for code in _STREAM_FAILURES:
+            self.metrics["dllm_stream_errors_total"].labels(code).inc(0)
         self.metrics["dllm_replicas"].set(0)
         self.draining = False
         self._started = time.monotonic()
@@ -219,12 +232,12 @@ class MetricsExporter:
         last = self._ingress[ingress][1] if ingress in self._ingress else IngressReport()
         m["dllm_admitted_total"].inc(max(0, report.admitted - last.admitted))
         m["dllm_failovers_total"].inc(max(0, report.failovers - last.failovers))
-        for reason, count in report.rejected.items():
-            m["dllm_rejected_total"].labels(reason).inc(max(0, count - last.rejected.get(reason, 0)))
+        for name, field in _LABELLED_INGRESS_TOTALS.items():
+            before = getattr(last, field)
+            for label, count in getattr(report, field).items():
+                m[name].labels(label).inc(max(0, count - before.get(label, 0)))
         # the first report of an ingress also counts its start-up
         m["dllm_ingress_cpu_seconds_total"].inc(max(0.0, report.cpu_s - last.cpu_s))
-        for code, count in report.responses.items():
-            m["dllm_http_responses_total"].labels(code).inc(max(0, count - last.responses.get(code, 0)))
         before = last.response_buckets or [0] * len(report.response_buckets)
         m["dllm_http_response_seconds"].add([new - old for new, old in zip(report.response_buckets, before)],
                                             report.response_seconds - last.response_seconds)

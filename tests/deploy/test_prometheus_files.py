@@ -71,37 +71,63 @@ def test_latency_thresholds_follow_the_slo_and_name_an_exported_bucket(slo_s):
             assert f'{metric}{{le="{bound}",replica="r"}}' in exposition, f"{name}: {metric} has no bucket le={bound}"
 
 
+SLO_S = 12.5  # the SLO of the rules promtool tests
+RULES_AT_SLO = {rule["alert"]: rule for group in rules_for(SLO_S)["groups"] for rule in group["rules"]}
+
+
 def _series(name: str, per_minute: float, minutes: int = 70) -> dict:
     return {"series": name, "values": f"0+{per_minute:g}x{minutes}"}
 
 
-def test_rules_fire_as_they_say_at_the_configured_slo(tmp_path):
-    """Rules for an SLO of 12.5 s on 100 requests a minute: 80 within 12.5 s and 95 within
-    30 s burn the budget and put p99 over the SLO; 50 within 10 s but all within 12.5 s
-    (over a 10 s SLO, within this one) fire nothing."""
-    (tmp_path / "rules.yaml").write_text(render_rules(load_config(overrides={"slo.latency_s": 12.5}), "c.yaml"))
-    rules = {rule["alert"]: rule for group in rules_for(12.5)["groups"] for rule in group["rules"]}
+def fired(name: str, value: str = "") -> list[dict]:
+    """The alert as it fires: its labels, its summary with ``$value`` humanized to ``value``."""
+    rule = RULES_AT_SLO[name]
+    summary = re.sub(r"\{\{ \$value \| \w+ \}\}", value, rule["annotations"]["summary"])
+    return [{"exp_labels": rule["labels"], "exp_annotations": {"summary": summary}}]
 
-    def fired(name: str, value: str = "") -> list[dict]:
-        """The alert as it fires: its labels, its summary with ``$value`` humanized to ``value``."""
-        summary = re.sub(r"\{\{ \$value \| \w+ \}\}", value, rules[name]["annotations"]["summary"])
-        return [{"exp_labels": rules[name]["labels"], "exp_annotations": {"summary": summary}}]
 
+def promtool_test(tmp_path: Path, cases: list[tuple[list[dict], dict[str, list[dict]]]]) -> None:
+    """`promtool test rules` of the rules at ``SLO_S``: each case's series (one sample a
+    minute), and at 65 min, each named alert firing as expected."""
+    (tmp_path / "rules.yaml").write_text(render_rules(load_config(overrides={"slo.latency_s": SLO_S}), "c.yaml"))
+    tests = [{"interval": "1m", "input_series": series,
+              "alert_rule_test": [{"eval_time": "65m", "alertname": name, "exp_alerts": fires}
+                                  for name, fires in alerts.items()]}
+             for series, alerts in cases]
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "1m",
+                                                         "tests": tests}))
+    promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+
+
+def test_latency_rules_fire_as_they_say_at_the_configured_slo(tmp_path):
+    """On 100 requests a minute: 80 within the SLO (12.5 s) and 95 within 30 s burn the
+    budget and put p99 over the SLO; 50 within 10 s but all within 12.5 s (over a 10 s SLO,
+    within this one) fire nothing."""
     def latencies(within: dict[str, float]) -> list[dict]:
         bucket = 'dllm_request_latency_seconds_bucket{{replica="a",le="{}"}}'
         buckets = [_series(bucket.format(le), n) for le, n in within.items()]
         return buckets + [_series('dllm_request_latency_seconds_count{replica="a"}', 100)]
 
-    def expect(alerts: dict[str, list[dict]]) -> list[dict]:
-        return [{"eval_time": "65m", "alertname": name, "exp_alerts": fires} for name, fires in alerts.items()]
+    promtool_test(tmp_path, [
+        (latencies({"10.0": 70, "12.5": 80, "30.0": 95, "+Inf": 100}),
+         {"DllmLatencySLOFastBurn": fired("DllmLatencySLOFastBurn"),
+          "DllmLatencyP99OverSLO": fired("DllmLatencyP99OverSLO", "30s")}),
+        (latencies({"10.0": 50, "12.5": 100, "30.0": 100, "+Inf": 100}),
+         {"DllmLatencySLOFastBurn": [], "DllmLatencyP99OverSLO": []}),
+    ])
 
-    tests = [
-        {"interval": "1m", "input_series": latencies({"10.0": 70, "12.5": 80, "30.0": 95, "+Inf": 100}),
-         "alert_rule_test": expect({"DllmLatencySLOFastBurn": fired("DllmLatencySLOFastBurn"),
-                                    "DllmLatencyP99OverSLO": fired("DllmLatencyP99OverSLO", "30s")})},
-        {"interval": "1m", "input_series": latencies({"10.0": 50, "12.5": 100, "30.0": 100, "+Inf": 100}),
-         "alert_rule_test": expect({"DllmLatencySLOFastBurn": [], "DllmLatencyP99OverSLO": []})},
-    ]
-    (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "1m",
-                                                         "tests": tests}))
-    promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+
+def test_errors_inside_streams_fire_the_server_error_alert(tmp_path):
+    """Of 1000 responses a minute, all 200: 20 streams that end in a timeout's error event
+    are 2% of requests failed; 5 of them, or errors of the client's (429s, a 400 event),
+    are not over 1%; nor are 5 500s and 5 internal errors inside streams."""
+    def responses(codes: dict[str, float], stream_errors: dict[str, float]) -> list[dict]:
+        return [_series(f'dllm_http_responses_total{{code="{c}"}}', n) for c, n in codes.items()] \
+            + [_series(f'dllm_stream_errors_total{{code="{c}"}}', n) for c, n in stream_errors.items()]
+
+    promtool_test(tmp_path, [
+        (responses({"200": 1000}, {"500": 0, "504": 20}), {"DllmServerErrors": fired("DllmServerErrors", "2%")}),
+        (responses({"200": 1000, "429": 500}, {"504": 5, "400": 50}), {"DllmServerErrors": []}),
+        (responses({"200": 995, "500": 5}, {"500": 5}), {"DllmServerErrors": []}),
+        (responses({"200": 990, "500": 10}, {"500": 10}), {"DllmServerErrors": fired("DllmServerErrors", "2%")}),
+    ])
