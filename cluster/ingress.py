@@ -215,8 +215,10 @@ class Ingress:
 
     @app.get("/docs", include_in_schema=False)
     async def docs(self, authorization: str | None = Header(None)):
+        """Swagger UI with the API description inside the page: a page loaded with the key
+        would fetch /openapi.json without it (401) and show nothing."""
         self._authorize(authorization)
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="dllm-serve")
+        return get_swagger_ui_html(openapi_url="", title="dllm-serve", swagger_ui_parameters={"spec": app.openapi()})
 
     @app.get("/v1/models")
     async def models(self, authorization: str | None = Header(None)):
