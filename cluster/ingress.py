@@ -82,6 +82,8 @@ app.add_middleware(http_tally.HttpTally)  # outermost: it counts every response,
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "threshold")
 INLINE_PREPARE_CHARS = 4096  # prompts (or chats) up to this many characters are tokenized on the event loop
+# a stream's headers: no cache and no proxy (nginx: X-Accel-Buffering) holds its events back
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 # Module-level helpers of the Ingress class go above it: `serve.ingress` copies the class
@@ -539,7 +541,8 @@ class Ingress:
         answer = Answer(jobs[0], int(time.time()), chat, body.n, self._echoes(body))
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(stream, answer, include_usage), media_type="text/event-stream")
+            return StreamingResponse(self._sse(stream, answer, include_usage), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
         return await self._collect(stream, answer)
 
     def _echoes(self, body: protocol.SamplingFields) -> list[str]:

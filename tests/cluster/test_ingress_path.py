@@ -277,3 +277,10 @@ def test_the_docs_page_carries_the_api_description_behind_the_key(monkeypatch):
     assert spec["info"]["title"] == "dllm-serve" and spec["paths"].keys() == app.openapi()["paths"].keys()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= spec["paths"].keys()
     assert "openapi.json" not in page
+
+
+def test_a_stream_tells_proxies_in_front_not_to_buffer_or_cache_it():
+    plain, ingress = make_ingress()
+    response = asyncio.run(answer(plain, ingress, {**completion(), "stream": True}))
+    assert response.media_type == "text/event-stream"
+    assert (response.headers["cache-control"], response.headers["x-accel-buffering"]) == ("no-cache", "no")
