@@ -579,8 +579,9 @@ def _add_engine_commands(commands) -> None:
                         help="the key inside the --api-key-secret Secret (default: api-key)")
     render.add_argument(
         "--no-network-policy", dest="network_policy", action="store_false",
-        help="leave out the NetworkPolicy that admits only the Serve and metrics ports from outside the "
-             "RayService's pods (GCS, Ray client and dashboard stay inside, the operator excepted)")
+        help="leave out the NetworkPolicy that admits only the Serve port from outside the RayService's pods, "
+             "and the metrics ports from the monitoring namespace (kubernetes.monitoring_namespace_labels); GCS, "
+             "Ray client and dashboard stay inside, the operator excepted")
     render.add_argument("--prometheus-rule", action="store_true",
                         help="rules: a PrometheusRule resource (the Prometheus Operator) instead of a rule file")
     render.set_defaults(func=cmd_render)

@@ -228,6 +228,10 @@ class KubernetesSettings(_Section):
     worker_gpus: int = Field(0, ge=0, description="nvidia.com/gpu per worker pod; > 0 makes the worker group a GPU group")
     model_volume_claim: str | None = Field(
         None, description="PersistentVolumeClaim with checkpoints, mounted read-only at /models in the workers")
+    monitoring_namespace_labels: dict[str, str] = Field(
+        {"kubernetes.io/metadata.name": "monitoring"},
+        description="labels of the namespaces whose pods may scrape the metrics ports (the NetworkPolicy): "
+                    "Prometheus's; by default the namespace named monitoring ({}: every namespace)")
 
 
 _ALGORITHM_KEYS = {"name": "algorithm", "params": "algorithm_params"}

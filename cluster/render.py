@@ -6,7 +6,8 @@ with the config as its arguments, and lists the deployments' options from the fu
 `up` uses, so a local cluster and a Kubernetes one come from one file.
 
 Beside it: headless Services for Prometheus and a NetworkPolicy that keeps Ray's own ports
-(GCS, Ray client, dashboard and its job API) inside the RayService's pods. An API key never
+(GCS, Ray client, dashboard and its job API) inside the RayService's pods and the metrics
+ports to the monitoring namespace. An API key never
 enters the manifest: ``--api-key-secret`` makes the pods read it from a Secret.
 """
 
@@ -230,11 +231,12 @@ def network_policy(config: AppConfig) -> dict:
     KubeRay's own ``ray.io/cluster`` label names a generated RayCluster, unknown here).
 
     In: anything from the RayService's own pods (GCS, Ray client, dashboard, object transfers,
-    ...); the dashboard from the kuberay-operator in any namespace; from anywhere else only
-    the Serve port, the metrics actor's port and Ray's metrics port (Prometheus scrapes
-    pods directly). Egress is left open."""
+    ...); the dashboard from the kuberay-operator in any namespace; the metrics actor's port
+    and Ray's metrics port from the monitoring namespaces (``kubernetes.monitoring_namespace_labels``:
+    Prometheus scrapes pods directly); from anywhere, the Serve port. Egress is left open."""
     pods = {"matchLabels": _pod_labels(config)}
-    open_ports = dict.fromkeys([config.port, config.metrics_port, config.ray_metrics_port or RAY_METRICS_PORT])
+    metrics_ports = dict.fromkeys([config.metrics_port, config.ray_metrics_port or RAY_METRICS_PORT])
+    monitoring = {"namespaceSelector": {"matchLabels": config.kubernetes.monitoring_namespace_labels}}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -246,7 +248,8 @@ def network_policy(config: AppConfig) -> dict:
                 {"from": [{"podSelector": pods}]},
                 {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": KUBERAY_OPERATOR_LABELS}}],
                  "ports": [_tcp(DASHBOARD_PORT)]},
-                {"ports": [_tcp(port) for port in open_ports]},
+                {"ports": [_tcp(config.port)]},
+                {"from": [monitoring], "ports": [_tcp(port) for port in metrics_ports]},
             ],
         },
     }
