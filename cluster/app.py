@@ -102,6 +102,19 @@ def replica_deployment_options(config: AppConfig) -> dict:
     return options
 
 
+DEADLINE_END_S = 10.0  # past a request's deadline, time for its end (error event, [DONE]) to go out
+
+
+def ingress_shutdown_s(config: AppConfig) -> float:
+    """How long a stopping ingress replica (a rolling update, a scale-down) waits for the
+    requests it holds: as long as one may run (``request_timeout_s`` and ``DEADLINE_END_S``),
+    so that no stream is cut before ``[DONE]``; ``drain_timeout_s`` where that is longer or
+    requests have no deadline. It stops as soon as its last request ends."""
+    if config.request_timeout_s is None:
+        return config.drain_timeout_s
+    return max(config.drain_timeout_s, config.request_timeout_s + DEADLINE_END_S)
+
+
 def ingress_deployment_options(config: AppConfig) -> dict:
     """Options of the ingress deployment. Serve's proxy queues at most
     ``ingress.max_queued_requests`` requests for busy ingress replicas and answers the next
@@ -111,8 +124,7 @@ def ingress_deployment_options(config: AppConfig) -> dict:
             "max_ongoing_requests": ingress.max_ongoing_requests,
             "max_queued_requests": ingress.max_queued_requests,
             "backpressure_config": {"status_code": 429, "retry_after_s": 1},
-            # a replaced ingress replica lets its streams finish, as a drain does
-            "graceful_shutdown_timeout_s": config.drain_timeout_s,
+            "graceful_shutdown_timeout_s": ingress_shutdown_s(config),
             "logging_config": {"enable_access_log": config.access_log},
             "ray_actor_options": {"num_cpus": ingress.num_cpus}}
 
@@ -160,7 +172,7 @@ def start_metrics_actor(config: AppConfig):
     actor = ray.remote(MetricsActor).options(
         name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_restarts=-1, resources={"node:__internal_head__": 0.001},
-    ).remote(config.host, config.metrics_port, stale_after_s(config.stats_period_s))
+    ).remote(config.host, config.metrics_port, stale_after_s(config.stats_period_s), config.slo.latency_or_floor_s)
     return ray.get(actor.ready.remote(), timeout=METRICS_ACTOR_START_S)
 
 

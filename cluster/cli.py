@@ -461,12 +461,19 @@ def _size(nbytes: int) -> str:
 
 
 def cmd_render(args) -> int:
-    from cluster.config import load_config
-    from cluster.render import RenderOptions, render_k8s
+    from cluster.config import ConfigError, load_config
+    from cluster.render import RenderOptions, render_k8s, render_rules
 
     options = RenderOptions(api_key_secret=args.api_key_secret, api_key_secret_key=args.api_key_secret_key,
                             network_policy=args.network_policy).check()
-    text = render_k8s(load_config(args.config, _parse_set(args.set)), args.config, options)
+    misplaced = options.flags() if args.target == "rules" else " --prometheus-rule" * args.prometheus_rule
+    if misplaced:
+        raise ConfigError(f"{misplaced.split()[0]} does not apply to `render {args.target}`")
+    config = load_config(args.config, _parse_set(args.set))
+    if args.target == "rules":
+        text = render_rules(config, args.config, args.prometheus_rule)
+    else:
+        text = render_k8s(config, args.config, options)
     if args.output:
         with open(args.output, "w") as out:
             out.write(text)
@@ -550,14 +557,16 @@ def _add_engine_commands(commands) -> None:
     status.set_defaults(func=cmd_status)
 
     render = commands.add_parser(
-        "render", help="write deployment manifests from a config (k8s: a KubeRay RayService)",
-        description="Render the KubeRay RayService for the settings of `dllm-serve up --config FILE`: "
+        "render", help="write deployment manifests from a config (k8s: a KubeRay RayService; rules: alert rules)",
+        description="k8s: render the KubeRay RayService for the settings of `dllm-serve up --config FILE`: "
                     "serveConfigV2 (the same app builder, deployment options and autoscaling), a head group "
                     "and a worker group (nvidia.com/gpu when kubernetes.worker_gpus > 0), probes, resources "
                     "and metrics ports; headless Services for Prometheus and a NetworkPolicy. The kubernetes.* "
                     "settings (see `dllm-serve up --help`) choose the image and pod sizes; deploy/README.md has "
-                    "the steps to apply it.")
-    render.add_argument("target", choices=["k8s"], help="what to render (k8s: a ray.io/v1 RayService)")
+                    "the steps to apply it. rules: the Prometheus alert rules for the same settings (latency "
+                    "thresholds from slo.latency_s).")
+    render.add_argument("target", choices=["k8s", "rules"],
+                        help="what to render (k8s: a ray.io/v1 RayService; rules: a Prometheus rule file)")
     render.add_argument("--config", required=True, help="YAML file with settings, as for `dllm-serve up`")
     render.add_argument("--set", action="append", metavar="KEY=VALUE", help="one setting, e.g. --set kubernetes.image=X")
     render.add_argument("-o", "--output", metavar="FILE", help="write here instead of standard output")
@@ -570,8 +579,11 @@ def _add_engine_commands(commands) -> None:
                         help="the key inside the --api-key-secret Secret (default: api-key)")
     render.add_argument(
         "--no-network-policy", dest="network_policy", action="store_false",
-        help="leave out the NetworkPolicy that admits only the Serve and metrics ports from outside the "
-             "RayService's pods (GCS, Ray client and dashboard stay inside, the operator excepted)")
+        help="leave out the NetworkPolicy that admits only the Serve port from outside the RayService's pods, "
+             "and the metrics ports from the monitoring namespace (kubernetes.monitoring_namespace_labels); GCS, "
+             "Ray client and dashboard stay inside, the operator excepted")
+    render.add_argument("--prometheus-rule", action="store_true",
+                        help="rules: a PrometheusRule resource (the Prometheus Operator) instead of a rule file")
     render.set_defaults(func=cmd_render)
 
 

@@ -103,6 +103,12 @@ class SLOSettings(_Section):
             return self.latency_s
         return max([SLO_FLOOR_S, *(SLO_MULTIPLE * s for s in longest_request_s)])
 
+    @property
+    def latency_or_floor_s(self) -> float:
+        """The SLO as the config tells it before anything runs: ``latency_s``, or where that
+        is derived at run time, its floor."""
+        return self.latency_s or SLO_FLOOR_S
+
 
 class QualityLevelSettings(_Section):
     algorithm: str = Field(description="the algorithm whose requests this level changes, e.g. low_confidence")
@@ -222,6 +228,10 @@ class KubernetesSettings(_Section):
     worker_gpus: int = Field(0, ge=0, description="nvidia.com/gpu per worker pod; > 0 makes the worker group a GPU group")
     model_volume_claim: str | None = Field(
         None, description="PersistentVolumeClaim with checkpoints, mounted read-only at /models in the workers")
+    monitoring_namespace_labels: dict[str, str] = Field(
+        {"kubernetes.io/metadata.name": "monitoring"},
+        description="labels of the namespaces whose pods may scrape the metrics ports (the NetworkPolicy): "
+                    "Prometheus's; by default the namespace named monitoring ({}: every namespace)")
 
 
 _ALGORITHM_KEYS = {"name": "algorithm", "params": "algorithm_params"}
@@ -306,7 +316,7 @@ class AppConfig(_Section):
 
     def quality_knob(self) -> QualityKnob | None:
         """The load knob, against the configured SLO or, where it is derived, its floor."""
-        return self.quality.knob(self.slo.latency_s or SLO_FLOOR_S)
+        return self.quality.knob(self.slo.latency_or_floor_s)
 
     @property
     def target_drain_s(self) -> float | None:

@@ -1,5 +1,8 @@
 """A whole (non-streamed) answer stops being computed when its client goes away.
 
+A client may also leave while it still sends its body: Starlette raises ``ClientDisconnect``
+where the body is read, and the request gets ``client_closed`` (no failure of ours).
+
 A streamed response notices a closed connection (Starlette's ``StreamingResponse``
 listens for it) and the cancelled stream aborts the request on its replica. A request for
 a whole answer has nothing to write until the end, so nothing notices: a client that timed
@@ -23,6 +26,12 @@ T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client closed; no client reads it
 
 
+def client_closed() -> Response:
+    """The empty 499 of a request whose client left (logged and counted like any other
+    response, sent to no one)."""
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def _disconnected(request: Request) -> None:
     """Returns once the client has closed the connection. The body is read already, so an
     ASGI server answers ``receive`` only with the disconnect; where it answers anything
@@ -37,8 +46,8 @@ async def _disconnected(request: Request) -> None:
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
-    """``work``'s result, or, if the client disconnects first, ``work`` cancelled and an
-    empty 499 response (logged and counted like any other, sent to no one)."""
+    """``work``'s result, or, if the client disconnects first, ``work`` cancelled and
+    ``client_closed()``."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -52,4 +61,4 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Respo
         return task.result()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)  # its clean-up (the replica call's cancel) runs now
-    return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return client_closed()

@@ -3,7 +3,8 @@
 A client's own mistakes are told in full (4xx, naming the field in ``param``); a failure
 of ours never shows its text, exception class or traceback to the client: a 500 carries
 a generic message and a request id (``internal_error``), and the details go to the log
-under that id.
+under that id. A client that leaves while it sends its body (Starlette's ``ClientDisconnect``)
+is no failure: a 499, logged at debug level.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
+from cluster.disconnects import client_closed
 from cluster.protocol import new_id
 
 
@@ -77,9 +81,21 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type_=kind).response()
 
+    # a handler of its own: the catch-all's (Starlette's outermost middleware) raises the
+    # exception again for the server to log, after the 500
+    @app.exception_handler(ClientDisconnect)
+    async def _left(request: Request, exc: ClientDisconnect):
+        return client_left(request.method, request.url.path)
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         return logged_failure(request.method, request.url.path, exc).response()
+
+
+def client_left(method: str, path: str) -> Response:
+    """The 499 for a request whose client left while sending its body."""
+    log.debug("%s %s: the client left while sending the body", method, path)
+    return client_closed()
 
 
 def logged_failure(method: str, path: str, exc: BaseException) -> APIError:

@@ -46,6 +46,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.requests import ClientDisconnect
 
 from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
 from algorithms.sampling import NO_FILTER
@@ -55,8 +56,8 @@ from cluster.auth import ApiKey, KeyRing, KeySlot, load_keys
 from cluster.choices import merged, rows
 from cluster.config import AppConfig
 from cluster.disconnects import unless_disconnected
-from cluster.errors import (APIError, bad_request, install_error_handlers, internal_error, logged_failure,
-                            validation_error)
+from cluster.errors import (APIError, bad_request, client_left, install_error_handlers, internal_error,
+                            logged_failure, validation_error)
 from cluster.failover import Failover, ReplicaFailed
 from cluster.front_door import FrontDoor
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE
@@ -88,6 +89,8 @@ INLINE_PREPARE_CHARS = 4096  # prompts (or chats) up to this many characters are
 # far more characters a token than text averages (3-5): a prompt of more than max_model_len times
 # this many is refused before it is tokenized
 MAX_CHARS_PER_TOKEN = 32
+# a stream's headers: no cache and no proxy (nginx: X-Accel-Buffering) holds its events back
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 # Module-level helpers of the Ingress class go above it: `serve.ingress` copies the class
@@ -175,6 +178,7 @@ class Ingress:
         self.admitted = 0
         self.failovers = 0
         self.rejected: Counter[str] = Counter()
+        self.stream_errors: Counter[str] = Counter()  # error events ending streams sent as 200, by their status
         settings = self.config.failover
         failover = dict(max_attempts=settings.max_attempts, backoff_s=settings.backoff_s,
                         block_length=self.shape.block_length, aligned=self.shape.aligned,
@@ -227,8 +231,10 @@ class Ingress:
 
     @app.get("/docs", include_in_schema=False)
     async def docs(self, authorization: str | None = Header(None)):
+        """Swagger UI with the API description inside the page: a page loaded with the key
+        would fetch /openapi.json without it (401) and show nothing."""
         self._authorize(authorization)
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="dllm-serve")
+        return get_swagger_ui_html(openapi_url="", title="dllm-serve", swagger_ui_parameters={"spec": app.openapi()})
 
     @app.get("/v1/models")
     async def models(self, authorization: str | None = Header(None)):
@@ -287,6 +293,8 @@ class Ingress:
             response = await self._generate(Request(scope, receive), scope["path"] == completion_path.CHAT_PATH, key)
         except APIError as exc:
             response = exc.response()
+        except ClientDisconnect:
+            response = client_left(scope["method"], scope["path"])
         except Exception as exc:
             response = logged_failure(scope["method"], scope["path"], exc).response()
         await response(scope, receive, send)
@@ -563,7 +571,8 @@ class Ingress:
         answer = Answer(jobs[0], int(time.time()), chat, body.n, self._echoes(body))
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(stream, answer, include_usage), media_type="text/event-stream")
+            return StreamingResponse(self._sse(stream, answer, include_usage), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
         return await self._collect(stream, answer)
 
     def _echoes(self, body: protocol.SamplingFields) -> list[str]:
@@ -661,7 +670,7 @@ class Ingress:
             async for index, chunk in stream:
                 if chunk.error:
                     log.error("request %s failed: %s", request_id, chunk.error)
-                    yield protocol.sse_event(internal_error(request_id).body())
+                    yield self._error_event(internal_error(request_id))
                     break
                 unanswered = _unanswered([*last.values(), chunk], answer.job)
                 if unanswered is not None:
@@ -676,15 +685,21 @@ class Ingress:
                 yield protocol.sse_event(answer.body(model, [choice], chunk=True,
                                                      extra={"dllm": self._dllm_info(answer.job, chunk)}))
         except APIError as exc:
-            yield protocol.sse_event(exc.body())
+            yield self._error_event(exc)
         except Exception:
             log.exception("request %s failed", request_id)
-            yield protocol.sse_event(internal_error(request_id).body())
+            yield self._error_event(internal_error(request_id))
         choices = len(answer.echoes)
         if include_usage and len(last) == choices and not any(c.error for c in last.values()):
             usage_ = _usage([last[i] for i in range(choices)], answer.n)
             yield protocol.sse_event(answer.body(model, [], chunk=True, usage_=usage_))
         yield "data: [DONE]\n\n"
+
+    def _error_event(self, error: APIError) -> str:
+        """The event that ends a stream with ``error``, counted by its status: the stream's
+        own status, 200, went out with its first event (``dllm_stream_errors_total``)."""
+        self.stream_errors[str(error.status)] += 1
+        return protocol.sse_event(error.body())
 
     def _logprobs(self, chunk: GenerateChunk, chat: bool, text_offset: int) -> dict | None:
         """The chunk's tokens' ``logprobs`` as the API shapes them; None when not asked."""
@@ -733,6 +748,7 @@ class Ingress:
         """This ingress's totals since it started (the metrics actor takes differences, so a
         report that is lost or sent twice changes nothing)."""
         return IngressReport(admitted=self.admitted, rejected=dict(self.rejected), failovers=self.failovers,
+                             stream_errors=dict(self.stream_errors),
                              outstanding=self.admission.outstanding, cpu_s=time.process_time(),
                              prediction_bias=self.admission.prediction_bias,
                              in_flight=self.in_flight, draining=self.draining, **http_tally.TALLY.report()).model_dump()

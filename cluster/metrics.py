@@ -39,6 +39,9 @@ BIND_RETRY_S = 30.0  # a restarted actor waits this long at most for its port to
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# the statuses a stream's own failures end with (internal error, replica failed, timeout): their
+# counters start at 0, so that the first one is an increase to a rule's rate()
+_STREAM_FAILURES = ("500", "503", "504")
 _STEPS_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
 
@@ -49,6 +52,7 @@ class MetricSpec:
     help: str
     labels: tuple[str, ...] = ("replica",)
     buckets: tuple[float, ...] | None = None
+    slo_bound: bool = False  # the latency SLO is one of its bucket bounds (the alert rules read it: cluster.alerts)
 
 
 class SummedHistogram:
@@ -100,7 +104,7 @@ METRICS = (
     MetricSpec("dllm_blocks_committed_total", Counter, "Blocks committed"),
     MetricSpec("dllm_steps_per_block", Histogram, "Forwards a block took until it committed", buckets=_STEPS_BUCKETS),
     MetricSpec("dllm_requests_total", Counter, "Requests ended, by finish reason (stop, length, abort, error)", ("replica", "finish_reason")),
-    MetricSpec("dllm_request_latency_seconds", Histogram, "End-to-end request latency inside the replica", buckets=_LATENCY_BUCKETS),
+    MetricSpec("dllm_request_latency_seconds", Histogram, "End-to-end request latency inside the replica", buckets=_LATENCY_BUCKETS, slo_bound=True),
     MetricSpec("dllm_time_to_first_block_seconds", Histogram, "Time from arrival at the replica to the first committed block", buckets=_LATENCY_BUCKETS),
     MetricSpec("dllm_free_pages", Gauge, "KV pages held by no request (a page holds one block): unused, or cached and unreferenced"),
     MetricSpec("dllm_total_pages", Gauge, "KV pages usable by requests"),
@@ -122,9 +126,17 @@ METRICS = (
     MetricSpec("dllm_admission_prediction_bias", Gauge, "How much longer than admission predicted its answers took lately, the mean over the ingress replicas (1: as predicted; above 1, admission lengthens its predictions by it)", ()),
     MetricSpec("dllm_ingress_cpu_seconds_total", Counter, "CPU seconds used by the ingress replicas' processes", ()),
     MetricSpec("dllm_http_responses_total", Counter, "HTTP responses sent by the ingress replicas, by status code", ("code",)),
+    MetricSpec("dllm_stream_errors_total", Counter, "Streams sent as 200 that ended in an error event, by the HTTP status of the error (internal error 500, replica failed 503, timeout 504, ...)", ("code",)),
     MetricSpec("dllm_http_response_seconds", SummedHistogram, "Time from a request's arrival at an ingress replica's app to its response's last byte", (), buckets=HTTP_SECONDS_BOUNDS),
     MetricSpec("dllm_replicas", Gauge, "Replicas that reported recently (replicas.reports.stale_after_s: 10 s or 20 stats periods)", ()),
 )
+
+
+def bucket_bounds(spec: MetricSpec, slo_latency_s: float | None) -> tuple[float, ...]:
+    """A histogram's bucket bounds, the SLO among them where it has ``slo_bound``."""
+    extra = {slo_latency_s} if spec.slo_bound and slo_latency_s else set()
+    return tuple(sorted({*spec.buckets, *extra}))
+
 
 # gauge name -> field (or property) of the replica's routing stats (``ReplicaStats``)
 _GAUGE_SOURCES = {
@@ -150,16 +162,24 @@ _TOTAL_SOURCES = {
     "dllm_prefix_evictions_total": "prefix_evictions",
 }
 
+# counter name -> field of an ``IngressReport`` holding its totals by label (reason or code)
+_LABELLED_INGRESS_TOTALS = {
+    "dllm_rejected_total": "rejected",
+    "dllm_http_responses_total": "responses",
+    "dllm_stream_errors_total": "stream_errors",
+}
+
 
 class MetricsExporter:
-    def __init__(self, stale_after_s: float = MIN_STALE_S):
-        """A replica or ingress silent for ``stale_after_s`` (``replicas.reports.stale_after_s``) is gone."""
+    def __init__(self, stale_after_s: float = MIN_STALE_S, slo_latency_s: float | None = None):
+        """A replica or ingress silent for ``stale_after_s`` (``replicas.reports.stale_after_s``) is gone;
+        ``slo_latency_s`` is a bucket bound of the ``slo_bound`` histograms."""
         self.stale_after_s = stale_after_s
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self.metrics = {}
         for spec in METRICS:
-            kwargs = {"buckets": spec.buckets} if spec.buckets else {}
+            kwargs = {"buckets": bucket_bounds(spec, slo_latency_s)} if spec.buckets else {}
             self.metrics[spec.name] = spec.kind(spec.name, spec.help, spec.labels, registry=self.registry, **kwargs)
         self._last_seen: dict[str, float] = {}
         self._views: dict[str, ReplicaStats] = {}
@@ -167,6 +187,8 @@ class MetricsExporter:
         self._ingress: dict[str, tuple[float, IngressReport]] = {}  # ingress id -> (last seen, last report)
         self.metrics["dllm_admitted_total"].inc(0)
         self.metrics["dllm_failovers_total"].inc(0)
+        for code in _STREAM_FAILURES:
+            self.metrics["dllm_stream_errors_total"].labels(code).inc(0)
         self.metrics["dllm_replicas"].set(0)
         self.draining = False
         self._started = time.monotonic()
@@ -210,12 +232,12 @@ class MetricsExporter:
         last = self._ingress[ingress][1] if ingress in self._ingress else IngressReport()
         m["dllm_admitted_total"].inc(max(0, report.admitted - last.admitted))
         m["dllm_failovers_total"].inc(max(0, report.failovers - last.failovers))
-        for reason, count in report.rejected.items():
-            m["dllm_rejected_total"].labels(reason).inc(max(0, count - last.rejected.get(reason, 0)))
+        for name, field in _LABELLED_INGRESS_TOTALS.items():
+            before = getattr(last, field)
+            for label, count in getattr(report, field).items():
+                m[name].labels(label).inc(max(0, count - before.get(label, 0)))
         # the first report of an ingress also counts its start-up
         m["dllm_ingress_cpu_seconds_total"].inc(max(0.0, report.cpu_s - last.cpu_s))
-        for code, count in report.responses.items():
-            m["dllm_http_responses_total"].labels(code).inc(max(0, count - last.responses.get(code, 0)))
         before = last.response_buckets or [0] * len(report.response_buckets)
         m["dllm_http_response_seconds"].add([new - old for new, old in zip(report.response_buckets, before)],
                                             report.response_seconds - last.response_seconds)
@@ -314,8 +336,8 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int,
 class MetricsActor(MetricsExporter):
     """Run as a named Ray actor: serves the registry on ``host:port`` from a thread."""
 
-    def __init__(self, host: str, port: int, stale_after_s: float = MIN_STALE_S):
-        super().__init__(stale_after_s)
+    def __init__(self, host: str, port: int, stale_after_s: float = MIN_STALE_S, slo_latency_s: float | None = None):
+        super().__init__(stale_after_s, slo_latency_s)
         self.address = f"http://{host}:{port}/metrics"
         self._server = serve_metrics(self.registry, host, port)
 

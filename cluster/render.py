@@ -1,11 +1,13 @@
-"""`dllm-serve render k8s`: a KubeRay RayService from the same AppConfig as `dllm-serve up`.
+"""`dllm-serve render k8s`: a KubeRay RayService from the same AppConfig as `dllm-serve up`;
+`dllm-serve render rules`: the Prometheus alert rules for it (``cluster.alerts``).
 
 The serveConfigV2 inside it points at the builder `up` runs (``cluster.app:build_from_args``)
 with the config as its arguments, and lists the deployments' options from the functions
 `up` uses, so a local cluster and a Kubernetes one come from one file.
 
 Beside it: headless Services for Prometheus and a NetworkPolicy that keeps Ray's own ports
-(GCS, Ray client, dashboard and its job API) inside the RayService's pods. An API key never
+(GCS, Ray client, dashboard and its job API) inside the RayService's pods and the metrics
+ports to the monitoring namespace. An API key never
 enters the manifest: ``--api-key-secret`` makes the pods read it from a Secret.
 """
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import ray
 import yaml
 
+from cluster.alerts import alert_rules, prometheus_rule
 from cluster.app import ingress_deployment_options, replica_deployment_options, size_for_node
 from cluster.auth import API_KEYS_ENV
 from cluster.config import AppConfig, ConfigError
@@ -228,11 +231,12 @@ def network_policy(config: AppConfig) -> dict:
     KubeRay's own ``ray.io/cluster`` label names a generated RayCluster, unknown here).
 
     In: anything from the RayService's own pods (GCS, Ray client, dashboard, object transfers,
-    ...); the dashboard from the kuberay-operator in any namespace; from anywhere else only
-    the Serve port, the metrics actor's port and Ray's metrics port (Prometheus scrapes
-    pods directly). Egress is left open."""
+    ...); the dashboard from the kuberay-operator in any namespace; the metrics actor's port
+    and Ray's metrics port from the monitoring namespaces (``kubernetes.monitoring_namespace_labels``:
+    Prometheus scrapes pods directly); from anywhere, the Serve port. Egress is left open."""
     pods = {"matchLabels": _pod_labels(config)}
-    open_ports = dict.fromkeys([config.port, config.metrics_port, config.ray_metrics_port or RAY_METRICS_PORT])
+    metrics_ports = dict.fromkeys([config.metrics_port, config.ray_metrics_port or RAY_METRICS_PORT])
+    monitoring = {"namespaceSelector": {"matchLabels": config.kubernetes.monitoring_namespace_labels}}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -244,7 +248,8 @@ def network_policy(config: AppConfig) -> dict:
                 {"from": [{"podSelector": pods}]},
                 {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": KUBERAY_OPERATOR_LABELS}}],
                  "ports": [_tcp(DASHBOARD_PORT)]},
-                {"ports": [_tcp(port) for port in open_ports]},
+                {"ports": [_tcp(config.port)]},
+                {"from": [monitoring], "ports": [_tcp(port) for port in metrics_ports]},
             ],
         },
     }
@@ -282,12 +287,27 @@ _Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
     "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
 
 
+def _header(target: str, source: str, flags: str) -> str:
+    return f"# Rendered by `dllm-serve render {target} --config {source}{flags}`: edit that file and render again.\n"
+
+
 def render_k8s(config: AppConfig, source: str, options: RenderOptions = RenderOptions()) -> str:
     """The RayService, the metrics Services and (unless ``options`` say no) the NetworkPolicy as
     YAML documents, headed by the command that renders them."""
-    header = (f"# Rendered by `dllm-serve render k8s --config {source}{options.flags()}`: "
-              "edit that file and render again.\n")
     documents = [rayservice(config, options), *metrics_services(config)]
     if options.network_policy:
         documents.append(network_policy(config))
-    return header + yaml.dump_all(documents, Dumper=_Dumper, sort_keys=False)
+    return _header("k8s", source, options.flags()) + yaml.dump_all(documents, Dumper=_Dumper, sort_keys=False)
+
+
+def render_rules(config: AppConfig, source: str, operator: bool = False) -> str:
+    """The alert rules (``cluster.alerts``) as a Prometheus rule file, or with ``operator`` as
+    a PrometheusRule, headed by the command that renders them and the SLO they hold."""
+    slo = config.slo.latency_or_floor_s
+    where = ("slo.latency_s" if config.slo.latency_s is not None else
+             "slo.latency_s is unset: the floor of the SLO derived at run time; set it where the longest "
+             "request takes longer")
+    header = _header("rules", source, " --prometheus-rule" if operator else "")
+    header += f"# Latency SLO {slo:g} s ({where}).\n"
+    document = prometheus_rule(config) if operator else alert_rules(config)
+    return header + yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=120)

@@ -113,3 +113,4 @@ class IngressReport(BaseModel):
     responses: dict[str, int] = {}
     response_buckets: list[int] = []
     response_seconds: float = 0.0
+    stream_errors: dict[str, int] = {}  # error events that ended streams sent as 200, by the status they stand for

@@ -15,13 +15,18 @@ from cluster.ingress import app
 from test_ingress_path import answer, completion, make_ingress, over_capacity
 
 
-def call(method: str, path: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, dict, dict, int]:
-    """(status, headers, JSON body, times the body was read) of ``app`` for one request."""
+def call(method: str, path: str, headers: dict[str, str], body: bytes = b"",
+         messages: list[dict] | None = None) -> tuple[int, dict, dict | None, int]:
+    """(status, headers, JSON body or None, times the body was read) of ``app`` for one
+    request whose client sends ``body`` whole, or ``messages`` and then stays silent."""
     reads, sent = [], []
+    messages = [{"type": "http.request", "body": body, "more_body": False}] if messages is None else messages
 
     async def receive():
         reads.append(1)
-        return {"type": "http.request", "body": body, "more_body": False}
+        if len(reads) > len(messages):
+            await asyncio.Event().wait()
+        return messages[len(reads) - 1]
 
     async def send(message):
         sent.append(message)
@@ -35,7 +40,8 @@ def call(method: str, path: str, headers: dict[str, str], body: bytes = b"") -> 
         pass
     start = next(m for m in sent if m["type"] == "http.response.start")
     data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, json.loads(data), len(reads)
+    headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    return start["status"], headers, json.loads(data) if data else None, len(reads)
 
 
 BODY = json.dumps(completion()).encode()

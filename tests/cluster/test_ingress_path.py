@@ -3,6 +3,7 @@ tokenization off the event loop, one metrics-actor call per stats period."""
 
 import asyncio
 import json
+import re
 import threading
 import time
 import types
@@ -13,7 +14,7 @@ from starlette.requests import Request
 from cluster.auth import API_KEYS_ENV
 from cluster.config import load_config
 from cluster.errors import APIError
-from cluster.ingress import INLINE_PREPARE_CHARS
+from cluster.ingress import INLINE_PREPARE_CHARS, app
 from replica_stand_in import Replicas
 
 PROMPT = "1.3. ..2. 4... .1.4 "
@@ -261,3 +262,25 @@ def test_exporter_adds_what_is_new_in_each_ingress_report():
     assert sample(text, "dllm_rejected_total", 'reason="step_capacity"') == 5
     assert sample(text, "dllm_admission_outstanding") == 12.0  # summed over the ingress replicas
     assert sample(text, "dllm_ingress_cpu_seconds_total") == 2.5
+
+
+def test_the_docs_page_carries_the_api_description_behind_the_key(monkeypatch):
+    """A browser loading /docs with the key fetches nothing else from the server: the page
+    holds the OpenAPI description (fetching /openapi.json, keyless, got 401)."""
+    monkeypatch.setenv(API_KEYS_ENV, "the-right-key")
+    plain, ingress = make_ingress()
+    with pytest.raises(APIError) as refused:
+        asyncio.run(plain.docs(ingress, authorization=None))
+    assert refused.value.status == 401
+    page = asyncio.run(plain.docs(ingress, authorization="Bearer the-right-key")).body.decode()
+    spec = json.loads(re.search(r'^"spec": (.*),$', page, flags=re.M).group(1))
+    assert spec["info"]["title"] == "dllm-serve" and spec["paths"].keys() == app.openapi()["paths"].keys()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= spec["paths"].keys()
+    assert "openapi.json" not in page
+
+
+def test_a_stream_tells_proxies_in_front_not_to_buffer_or_cache_it():
+    plain, ingress = make_ingress()
+    response = asyncio.run(answer(plain, ingress, {**completion(), "stream": True}))
+    assert response.media_type == "text/event-stream"
+    assert (response.headers["cache-control"], response.headers["x-accel-buffering"]) == ("no-cache", "no")

@@ -4,7 +4,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.app import build_app, ingress_deployment_options, size_for_node
+from cluster.app import DEADLINE_END_S, build_app, ingress_deployment_options, size_for_node
 from cluster.config import load_config
 from cluster.render import rayservice, serve_config, sized_for_workers
 
@@ -41,6 +41,20 @@ def test_ingress_deployment_has_replicas_and_a_bounded_queue():
     assert options["num_replicas"] == 2 and options["max_queued_requests"] == 32
     assert options["backpressure_config"] == {"status_code": 429, "retry_after_s": 1}
     assert options["ray_actor_options"] == {"num_cpus": 0.5}
+
+
+@pytest.mark.parametrize("settings, wait_s", [
+    ({}, 600 + DEADLINE_END_S),  # request_timeout_s: a rolling update cuts no stream before [DONE]
+    ({"request_timeout_s": 60, "drain_timeout_s": 5}, 60 + DEADLINE_END_S),
+    ({"request_timeout_s": 5}, 30),  # drain_timeout_s, where that is longer
+    ({"request_timeout_s": None, "drain_timeout_s": 45}, 45),  # no deadline: drain_timeout_s
+])
+def test_a_stopping_ingress_replica_waits_as_long_as_its_requests_may_run(settings, wait_s):
+    config = load_config(overrides=settings)
+    assert ingress_deployment_options(config)["graceful_shutdown_timeout_s"] == wait_s
+    serve = ServeDeploySchema.model_validate(yaml.safe_load(rayservice(config)["spec"]["serveConfigV2"]))
+    ingress = next(d for d in serve.applications[0].deployments if d.name == "Ingress")
+    assert ingress.graceful_shutdown_timeout_s == wait_s
 
 
 def test_the_bound_app_is_sized_for_this_node():

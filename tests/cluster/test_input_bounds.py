@@ -313,6 +313,35 @@ def test_replica_failed_and_timeout_keep_their_status_without_internal_text():
     assert error_of(response)["message"] == "the request ran past its deadline of 1.5 s before it committed a token"
 
 
+@pytest.mark.parametrize("name, last, status", [
+    ("replica error", GenerateChunk(finished=True, error="secret", error_kind="algorithm"), 500),
+    ("replica failed", GenerateChunk(finished=True, error="CUDA error", error_kind="replica_fault"), 503),
+    ("timeout", GenerateChunk(finished=True, error="past its deadline", error_kind="timeout"), 504),
+    ("broken stream", KeyError("secret"), 500),
+    ("none", GenerateChunk(text="x", token_ids=[5], finished=True, finish_reason="stop", steps=1), None),
+])
+def test_an_error_event_inside_a_stream_is_counted_by_its_status(name, last, status):
+    """A stream's 200 goes out before its end: the error event that ends it is counted
+    apart (``dllm_stream_errors_total``), by the status it would have had."""
+    async def generate(job):
+        yield GenerateChunk(text="12", token_ids=[5] * 16, steps=3, block_steps=[3])
+        if isinstance(last, Exception):
+            raise last
+        yield last
+
+    plain, instance = ingress_over(generate, **{"failover.backoff_s": 0.0, "failover.healthy_wait_s": 0.0})
+
+    async def streamed():
+        response = await answer(plain, instance, completion(max_tokens=32, stream=True))
+        return response.status_code, await sse_events(response)
+
+    code, events = asyncio.run(streamed())
+    assert code == 200 and events[-1] == "[DONE]"
+    assert ("error" in events[-2]) == (status is not None)
+    expected = {} if status is None else {str(status): 1}
+    assert instance.ingress_report()["stream_errors"] == expected
+
+
 def test_any_other_exception_in_a_route_is_a_generic_500(caplog):
     app = FastAPI()
     install_error_handlers(app)

@@ -150,3 +150,17 @@ def test_the_ingress_http_tally_becomes_a_counter_and_a_histogram_of_what_is_new
     assert sample(text, "dllm_http_response_seconds_bucket", 'le="0.005"') == 4
     assert sample(text, "dllm_http_response_seconds_bucket", 'le="0.25"') == 6
     assert abs(sample(text, "dllm_http_response_seconds_sum") - 2 * 100.204) < 1e-9
+
+
+def test_error_events_inside_streams_become_a_counter_by_status():
+    """``dllm_stream_errors_total``: the statuses of a stream's own failures are there at 0
+    before the first (an alert's rate sees the first one), then the ingress replicas'
+    totals add up and a report sent again adds nothing."""
+    exporter = MetricsExporter()
+    text = generate_latest(exporter.registry).decode()
+    assert [sample(text, "dllm_stream_errors_total", f'code="{code}"') for code in ("500", "503", "504")] == [0] * 3
+    for ingress, errors in (("i1", {"504": 2}), ("i1", {"504": 2}), ("i2", {"500": 1, "504": 1})):
+        exporter.push_ingress(ingress, {"stream_errors": errors})
+    text = generate_latest(exporter.registry).decode()
+    assert sample(text, "dllm_stream_errors_total", 'code="504"') == 3
+    assert sample(text, "dllm_stream_errors_total", 'code="500"') == 1

@@ -141,7 +141,7 @@ def source(labels: dict, namespace: str = "default") -> dict:
 
 
 @pytest.mark.parametrize("name", ["committed cpu", "committed gpu", "fresh fixed replicas, namespace"])
-def test_ray_ports_stay_inside_serve_and_metrics_ports_are_open(name):
+def test_ray_ports_stay_inside_serve_is_open_and_metrics_only_to_monitoring(name):
     text = MANIFESTS[name]()
     service, policy = rayservice_of(text), network_policy_of(text)
     namespace = service["metadata"].get("namespace", "default")
@@ -149,7 +149,8 @@ def test_ray_ports_stay_inside_serve_and_metrics_ports_are_open(name):
     head, worker = kuberay_pod(head_template, "head"), kuberay_pod(worker_template, "worker")
     head["namespace"] = worker["namespace"] = namespace
     head_ports = {p["name"]: p["containerPort"] for p in head_template["spec"]["containers"][0]["ports"]}
-    open_ports = {head_ports[name] for name in ("serve", "metrics", "dllm-metrics")}
+    serve = head_ports["serve"]
+    metrics = {head_ports["metrics"], head_ports["dllm-metrics"]}
     internal = {GCS_PORT, DASHBOARD_PORT, CLIENT_PORT, RAYLET_AGENT_PORT, 20000}  # 20000: a Ray worker port
     assert {head_ports["gcs-server"], head_ports["dashboard"], head_ports["client"]} <= internal
 
@@ -157,21 +158,27 @@ def test_ray_ports_stay_inside_serve_and_metrics_ports_are_open(name):
     stranger = source({"app": "client"}, namespace)  # any other pod of the namespace
     lookalike = source(worker["labels"], "other")  # the same labels in another namespace
     operator = source(KUBERAY_OPERATOR_LABELS | {"app.kubernetes.io/instance": "kuberay-operator"}, "ray-system")
+    prometheus = source({"app.kubernetes.io/name": "prometheus"}, "monitoring")  # any pod of that namespace
     for pod in (head, worker):
-        for port in open_ports | internal:
+        for port in {serve} | metrics | internal:
             assert admits(policy, namespace, pod, peer, port)
-            assert admits(policy, namespace, pod, stranger, port) == (port in open_ports), port
-            assert admits(policy, namespace, pod, lookalike, port) == (port in open_ports), port
+            assert admits(policy, namespace, pod, stranger, port) == (port == serve), port
+            assert admits(policy, namespace, pod, lookalike, port) == (port == serve), port
+            assert admits(policy, namespace, pod, prometheus, port) == (port in metrics | {serve}), port
         assert admits(policy, namespace, pod, operator, DASHBOARD_PORT)
         assert not admits(policy, namespace, pod, operator, GCS_PORT)
         assert not admits(policy, namespace, pod, operator, CLIENT_PORT)
-    assert admits(policy, namespace, head, source({"app": "client"}, "other"), head_ports["serve"])
+    assert admits(policy, namespace, head, source({"app": "client"}, "other"), serve)
 
 
-def test_open_ports_follow_the_config():
-    policy = network_policy_of(fresh("cpu", **{"port": 8001, "metrics_port": 9401, "ray_metrics_port": 9090}))
+def test_open_ports_and_the_monitoring_namespace_follow_the_config():
+    policy = network_policy_of(fresh("cpu", **{"port": 8001, "metrics_port": 9401, "ray_metrics_port": 9090,
+                                                "kubernetes.monitoring_namespace_labels": {"team": "observability"}}))
     opened = [rule for rule in policy["spec"]["ingress"] if "from" not in rule]
-    assert [[p["port"] for p in rule["ports"]] for rule in opened] == [[8001, 9401, 9090]]
+    assert [[p["port"] for p in rule["ports"]] for rule in opened] == [[8001]]
+    scrapes = policy["spec"]["ingress"][-1]
+    assert scrapes["from"] == [{"namespaceSelector": {"matchLabels": {"team": "observability"}}}]
+    assert [p["port"] for p in scrapes["ports"]] == [9401, 9090]
 
 
 # ---- the validator itself ------------------------------------------------------------------
