@@ -316,7 +316,8 @@ def test_replica_failed_and_timeout_keep_their_status_without_internal_text():
 @pytest.mark.parametrize("name, last, status", [
     ("replica error", GenerateChunk(finished=True, error="secret", error_kind="algorithm"), 500),
     ("replica failed", GenerateChunk(finished=True, error="CUDA error", error_kind="replica_fault"), 503),
-    ("timeout", GenerateChunk(finished=True, error="past its deadline", error_kind="timeout"), 504),
+    ("timeout after a block: its end, no error",
+     GenerateChunk(finished=True, finish_reason="timeout", completion_tokens=16), None),
     ("broken stream", KeyError("secret"), 500),
     ("none", GenerateChunk(text="x", token_ids=[5], finished=True, finish_reason="stop", steps=1), None),
 ])
@@ -340,6 +341,21 @@ def test_an_error_event_inside_a_stream_is_counted_by_its_status(name, last, sta
     assert ("error" in events[-2]) == (status is not None)
     expected = {} if status is None else {str(status): 1}
     assert instance.ingress_report()["stream_errors"] == expected
+
+
+def test_a_stream_past_its_deadline_before_any_token_counts_a_504():
+    async def late(job):
+        yield GenerateChunk(finished=True, finish_reason="timeout")
+
+    plain, instance = ingress_over(late)
+
+    async def streamed():
+        response = await answer(plain, instance, completion(max_tokens=32, stream=True, deadline_s=1.5))
+        return response.status_code, await sse_events(response)
+
+    code, events = asyncio.run(streamed())
+    assert code == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout"
+    assert instance.ingress_report()["stream_errors"] == {"504": 1}
 
 
 def test_any_other_exception_in_a_route_is_a_generic_500(caplog):
