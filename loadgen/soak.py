@@ -6,11 +6,12 @@ turn one of ``KINDS``: a streamed answer, a whole answer, a whole answer with lo
 (20 alternatives), one with stop strings, one with a short deadline (``deadline_s``:
 refused where admission predicts more, else it finishes or ends at it), a stream the client drops
 after its first block, two choices (n 2), a bad request (400), and a body the client leaves
-half sent. Every --sample-every seconds the resident set (VmRSS) of each engine
-replica of the cluster serving the URL (the Ray workers titled ray::ServeReplica...
-EngineReplica that the raylet of the process listening on the URL's port started) is read
-from /proc. The report: each replica's resident memory after the first minute (the warm
-state) and at the end, their ratio, the highest, and the requests by kind and outcome. After
+half sent. Every --sample-every seconds the resident set (VmRSS) of each process of the
+cluster serving the URL (the Ray workers that the raylet of the process listening on the
+URL's port started, by their titles: engine and ingress replicas, proxy, controller, metrics
+actor) is read from /proc. The report: each one's resident memory after the first minute
+(the warm state) and at the end, their ratio, the highest, and the requests by kind and
+outcome. After
 the load, the cluster must come to rest within a minute (``AT_REST``, read from --metrics-url):
 no request running or waiting, no step debt, no page held (the prefix cache's references at
 zero) and no admission charge; what it still holds is reported, and the exit status is 1.
@@ -45,12 +46,13 @@ DEADLINE_S = 0.5
 WARM_S = 60.0  # the first minute: start-up allocations, caches and the allocator's pools settle
 
 
-def engine_pids(port: int, proc: Path = Path("/proc")) -> list[int]:
-    """The engine replicas of the local cluster serving on ``port``."""
+def cluster_processes(port: int, proc: Path = Path("/proc")) -> dict[int, str]:
+    """pid -> role of the processes of the local cluster serving on ``port`` (engine
+    replicas, ingress replicas, proxy, controller, metrics actor; ``overload.ROLES``)."""
     raylet = serving_raylet(port, proc)
     if raylet is None:
         raise LoadgenError(f"no process here listens on port {port}: bench soak reads a local cluster's memory")
-    return sorted(pid for pid, (role, _) in cluster_cpu(raylet, proc).items() if role == "engine")
+    return {pid: role for pid, (role, _) in sorted(cluster_cpu(raylet, proc).items())}
 
 
 def resident_bytes(pid: int, proc: Path = Path("/proc")) -> int | None:
@@ -109,7 +111,8 @@ async def one_request(http: httpx.AsyncClient, kind: str, body: dict) -> str:
 async def soak(url: str, model: str | None, api_key: str | None, duration_s: float, clients: int,
                sample_every_s: float, max_tokens: int, metrics_url: str | None = None, seed: int = 0) -> dict:
     port = urlsplit(url).port or 80
-    pids = engine_pids(port)
+    roles = cluster_processes(port)
+    pids = list(roles)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     prompts = itertools.cycle(tiny_prompts(500, seed))
     outcomes: dict[str, dict[str, int]] = {kind: {} for kind in KINDS}
@@ -138,7 +141,7 @@ async def soak(url: str, model: str | None, api_key: str | None, duration_s: flo
 
         await asyncio.gather(sampler(), *(client_loop() for _ in range(clients)))
         at_rest = await settled(http, metrics_url) if metrics_url else None
-    return {**memory_report(samples, pids, outcomes, duration_s), "at_rest": at_rest}
+    return {**memory_report(samples, roles, outcomes, duration_s), "at_rest": at_rest}
 
 
 def rest_problems(metrics_text: str) -> dict[str, float]:
@@ -168,23 +171,25 @@ async def settled(http: httpx.AsyncClient, metrics_url: str) -> dict:
         await asyncio.sleep(1.0)
 
 
-def memory_report(samples: list[tuple[float, dict[int, int | None]]], pids: list[int],
+def memory_report(samples: list[tuple[float, dict[int, int | None]]], roles: dict[int, str],
                   outcomes: dict[str, dict[str, int]], duration_s: float) -> dict:
+    """Per process ("role pid"): its resident memory after the first minute, at the end,
+    their ratio and the highest."""
     mib = float(1 << 20)
-    replicas = {}
-    for pid in pids:
+    processes = {}
+    for pid, role in roles.items():
         series = [(t, rss[pid]) for t, rss in samples if rss.get(pid)]
         warm = [rss for t, rss in series if t >= min(WARM_S, duration_s / 2)]
         if not warm:
             continue
-        replicas[str(pid)] = {"after_first_minute_mib": round(warm[0] / mib, 1), "end_mib": round(warm[-1] / mib, 1),
+        processes[f"{role} {pid}"] = {"after_first_minute_mib": round(warm[0] / mib, 1), "end_mib": round(warm[-1] / mib, 1),
                               "max_mib": round(max(warm) / mib, 1), "end_over_first_minute": round(warm[-1] / warm[0], 4)}
-    return {"duration_s": duration_s, "samples": len(samples), "replicas": replicas, "requests": outcomes}
+    return {"duration_s": duration_s, "samples": len(samples), "processes": processes, "requests": outcomes}
 
 
 def add_bench_soak_parser(targets) -> None:
     parser = targets.add_parser(
-        "soak", help="engine replicas' resident memory under a long mixed load, and nothing held after it (a local cluster)",
+        "soak", help="a local cluster's processes' resident memory under a long mixed load, and nothing held after it",
         description=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example: dllm-serve bench soak --url http://127.0.0.1:8000 --duration 600\n"
                "exit status: 0; 1 when the cluster holds requests, pages or admission charges a minute after the "

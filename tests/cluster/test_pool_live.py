@@ -28,7 +28,7 @@ def sdar_32k(tmp_path_factory):
                             dims=replace(SDAR_1_7B, layers=2, vocab=32768, mask_id=32000, eos_id=32001, pad_id=32002),
                             dtype=torch.bfloat16)
     _, total = host_memory()
-    replica = {"max_batch": 64, "memory_utilization": BUDGET / total,
+    replica = {"max_batch": 64, "memory_utilization": BUDGET / total, "max_tokens_per_step": 512,
                "model_overrides": {"mask_token_id": 32000, "eos_token_id": 32001}}
     running = start_cluster(tmp_path_factory.mktemp("sdar-32k-up"), {"model": str(path), "replica": replica},
                             timeout_s=900)
@@ -64,7 +64,7 @@ def test_a_32k_position_checkpoint_at_64_rows_serves_within_its_memory_budget(sd
 
     def chat(i: int):
         return client.chat.completions.create(
-            model=model, max_tokens=8, messages=[{"role": "user", "content": f"第{i}个问题：你好吗？🙂🚀 " * (1 + i)}])
+            model=model, max_tokens=8, messages=[{"role": "user", "content": f"第{i}个问题：你好吗？🙂🚀 " * (1 + i % 3)}])
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:  # a dozen concurrent clients
         answers = list(pool.map(chat, range(12)))

@@ -29,8 +29,8 @@ def test_rest_problems_names_what_each_replica_still_holds():
 def test_memory_report_compares_the_end_with_the_first_minute():
     mib = 1 << 20
     samples = [(t, {7: (100 + t / 10) * mib, 8: None}) for t in range(0, 600, 30)]
-    report = memory_report(samples, [7, 8], {"whole": {"200": 5}}, 600)
-    assert list(report["replicas"]) == ["7"]  # 8 never read (gone)
-    replica = report["replicas"]["7"]
+    report = memory_report(samples, {7: "engine", 8: "ingress"}, {"whole": {"200": 5}}, 600)
+    assert list(report["processes"]) == ["engine 7"]  # 8 never read (gone)
+    replica = report["processes"]["engine 7"]
     assert replica["after_first_minute_mib"] == 106.0 and replica["end_mib"] == 157.0
     assert replica["end_over_first_minute"] == round(157 / 106, 4) and report["samples"] == 20
