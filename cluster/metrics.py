@@ -103,7 +103,7 @@ METRICS = (
     MetricSpec("dllm_output_tokens_total", Counter, "Output tokens returned to clients"),
     MetricSpec("dllm_blocks_committed_total", Counter, "Blocks committed"),
     MetricSpec("dllm_steps_per_block", Histogram, "Forwards a block took until it committed", buckets=_STEPS_BUCKETS),
-    MetricSpec("dllm_requests_total", Counter, "Requests ended, by finish reason (stop, length, abort, error)", ("replica", "finish_reason")),
+    MetricSpec("dllm_requests_total", Counter, "Requests ended, by finish reason (stop, length, timeout, abort, error)", ("replica", "finish_reason")),
     MetricSpec("dllm_request_latency_seconds", Histogram, "End-to-end request latency inside the replica", buckets=_LATENCY_BUCKETS, slo_bound=True),
     MetricSpec("dllm_time_to_first_block_seconds", Histogram, "Time from arrival at the replica to the first committed block", buckets=_LATENCY_BUCKETS),
     MetricSpec("dllm_free_pages", Gauge, "KV pages held by no request (a page holds one block): unused, or cached and unreferenced"),
