@@ -464,9 +464,13 @@ class Engine:
             request = self._requests.get(request_id)
             if request is None or request.deadline != deadline:  # ended, or its id is a later request's now
                 continue
+            try:  # its committed blocks are its answer: the text held back is final now
+                flushed = self.outputs.commit_block(request, [], ends=FinishReason.TIMEOUT)
+            except Exception as exc:  # never left holding its row: it ends as a failure instead
+                log.exception("request %s: its end at the deadline failed", request_id)
+                self._fail(request, f"the request's end at its deadline failed: {type(exc).__name__}: {exc}")
+                continue
             del self._requests[request_id]
-            # its committed blocks are its answer: the text held back is final now
-            flushed = self.outputs.commit_block(request, [], ends=FinishReason.TIMEOUT)
             self._end(request, flushed.finish_reason, None, text=flushed.text)
             self.totals.requests_timed_out += 1
 

@@ -96,7 +96,12 @@ def test_requests_past_their_deadline_time_out_and_free_everything(cluster):
         return all(view["free_pages"] == view["total_pages"] and view["live_requests"] == 0
                    and view["running"] == 0 and view["waiting"] == 0
                    for view in cluster.replicas().values()) and cluster.metric("dllm_admission_outstanding") == 0
-    wait_for(everything_free, 30, "pages, requests and admission charges to be freed")
+    try:
+        wait_for(everything_free, 60, "pages, requests and admission charges to be freed")
+    except AssertionError as exc:  # say what is still held
+        held = {replica: {key: view[key] for key in ("free_pages", "total_pages", "live_requests", "running", "waiting")}
+                for replica, view in cluster.replicas().items()}
+        raise AssertionError(f"{exc}: {held}, admission {cluster.metric('dllm_admission_outstanding')}") from None
     print(f"\n{len(answers) - len(cut)} completed, {len(cut)} cut by the deadline, {len(timed_out)} timed out "
           f"before a token, stream: "
           f"{streamed['finish_reason'] or streamed['error']['code']}")
