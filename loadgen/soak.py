@@ -174,7 +174,7 @@ async def settled(http: httpx.AsyncClient, metrics_url: str) -> dict:
 def memory_report(samples: list[tuple[float, dict[int, int | None]]], roles: dict[int, str],
                   outcomes: dict[str, dict[str, int]], duration_s: float) -> dict:
     """Per process ("role pid"): its resident memory after the first minute, at the end,
-    their ratio and the highest."""
+    their ratio, the highest, and at the end of each minute (levelling off, or a leak's line)."""
     mib = float(1 << 20)
     processes = {}
     for pid, role in roles.items():
@@ -182,8 +182,10 @@ def memory_report(samples: list[tuple[float, dict[int, int | None]]], roles: dic
         warm = [rss for t, rss in series if t >= min(WARM_S, duration_s / 2)]
         if not warm:
             continue
+        minutes = {int(t // 60): rss for t, rss in series}  # the last reading of each minute
         processes[f"{role} {pid}"] = {"after_first_minute_mib": round(warm[0] / mib, 1), "end_mib": round(warm[-1] / mib, 1),
-                              "max_mib": round(max(warm) / mib, 1), "end_over_first_minute": round(warm[-1] / warm[0], 4)}
+                              "max_mib": round(max(warm) / mib, 1), "end_over_first_minute": round(warm[-1] / warm[0], 4),
+                              "by_minute_mib": [round(rss / mib, 1) for _, rss in sorted(minutes.items())]}
     return {"duration_s": duration_s, "samples": len(samples), "processes": processes, "requests": outcomes}
 
 

@@ -34,3 +34,4 @@ def test_memory_report_compares_the_end_with_the_first_minute():
     replica = report["processes"]["engine 7"]
     assert replica["after_first_minute_mib"] == 106.0 and replica["end_mib"] == 157.0
     assert replica["end_over_first_minute"] == round(157 / 106, 4) and report["samples"] == 20
+    assert replica["by_minute_mib"] == [103.0 + 6 * minute for minute in range(10)]  # the last reading of each
