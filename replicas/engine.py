@@ -41,7 +41,7 @@ from replicas.scheduled_batch import ScheduledBatch
 from replicas.batching import SchedulerMode
 from replicas.request import FinishReason, Request
 from replicas.rows import RowTable
-from replicas.runner import ModelRunner
+from replicas.runner import ModelRunner, refreshes_rows
 from replicas.scheduler import Scheduler
 from replicas.settings import EngineConfig, ServingShape, resolve_algorithm
 from replicas.stats import EngineTotals, StepStats
@@ -92,9 +92,8 @@ class Engine:
         device = torch.device(config.device)
         dtype = torch_dtype(config)
         self.model = model.to(device=device, dtype=dtype).eval()
-        refreshes = spec.bidirectional or spec.shift_logits or config.kv_cache == "none"
-        self.memory = plan_pool(self.model, config, spec, wanted,
-                                resolve_backend(config.attention_backend, device, dtype), refreshes)
+        self.memory = plan_pool(self.model, config, spec, wanted, resolve_backend(config.attention_backend, device, dtype),
+                                refreshes_rows(spec, config.kv_cache))
         log.info("%s", self.memory.summary())
         self.shape = shape = ServingShape.of(config, spec, self.memory)
         self.pool = PagePool(shape.num_pages, PrefixCache() if shape.prefix_cache else None)

@@ -48,6 +48,12 @@ KV_CACHE_MODES = ("prefix", "none")
 CANVASES = ("block", "full")
 
 
+def refreshes_rows(spec, kv_cache_mode: str) -> bool:
+    """Whether a step may recompute a row's whole sequence (its first block step, or every
+    step without a cache): bidirectional and shifted models, or ``kv_cache: none``."""
+    return kv_cache_mode == "none" or spec.bidirectional or spec.shift_logits
+
+
 class ForwardTimer:
     """A forward's seconds, read after the step has read its results back: timed by CUDA
     events on a GPU (so timing adds no wait of its own to the step), by the wall clock
@@ -93,7 +99,7 @@ class ModelRunner:
         self.shift_logits = spec.shift_logits
         self.contiguous_positions = spec.contiguous_positions
         self.refresh_every_step = kv_cache_mode == "none"
-        self.refreshes = self.refresh_every_step or self.bidirectional or self.shift_logits
+        self.refreshes = refreshes_rows(spec, kv_cache_mode)
         self.backend = resolve_backend(attention_backend, device, kv_cache.k[0].dtype)
         self._offsets = np.arange(self.block_length)
         # page x page size + offset for every pool page (its cache positions) and every page index

@@ -15,7 +15,8 @@ import openai
 import pytest
 import torch
 
-from live_up import start_cluster, stop_cluster
+from live_up import free_port, start_cluster, stop_cluster
+from loadgen.soak import resident_bytes
 from replicas.memory import host_memory
 from tests.replicas.models.checkpoint_builders import SDAR_1_7B, write_checkpoint
 
@@ -41,11 +42,6 @@ def status(running) -> dict:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
-
-
-def resident_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as lines:
-        return next(int(line.split()[1]) * 1024 for line in lines if line.startswith("VmRSS:"))
 
 
 def test_a_32k_position_checkpoint_at_64_rows_serves_within_its_memory_budget(sdar_32k):
@@ -83,8 +79,8 @@ def test_a_32k_position_checkpoint_at_64_rows_serves_within_its_memory_budget(sd
 
 def test_a_budget_too_small_stops_up_with_one_line_naming_the_sizes(tmp_path):
     result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--set", "replica.memory_utilization=0.0001",
-                             "--set", "replica.max_model_len=512", "--set", f"port={_port()}",
-                             "--set", f"metrics_port={_port()}"],
+                             "--set", "replica.max_model_len=512", "--set", f"port={free_port()}",
+                             "--set", f"metrics_port={free_port()}"],
                             capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("dllm-serve: error:")]
@@ -92,9 +88,3 @@ def test_a_budget_too_small_stops_up_with_one_line_naming_the_sizes(tmp_path):
     assert "PoolSizingError" in errors[0] and "memory_utilization 0.0001" in errors[0]
     assert "max_model_len 512" in errors[0] and "raise replica.memory_utilization" in errors[0]
     assert "ready; Ctrl-C stops" not in result.stdout
-
-
-def _port() -> int:
-    from live_up import free_port
-
-    return free_port()
