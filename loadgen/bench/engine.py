@@ -4,6 +4,7 @@ interleaved in rounds, each measured against its own zero-overhead ideal."""
 from __future__ import annotations
 
 import gc
+import hashlib
 import statistics
 import time
 from collections.abc import Callable
@@ -44,6 +45,16 @@ def run_closed_batch(engine: Engine, prompts: list, params) -> tuple[list, list,
     return outputs, steps, time.perf_counter() - start
 
 
+def token_hash(outputs: list) -> str:
+    """The first 16 hex digits of a SHA-256 over every request's committed token ids, in
+    order: equal hashes mean a change to the engine left its tokens alone."""
+    digest = hashlib.sha256()
+    for output in outputs:
+        digest.update(np.asarray(output.token_ids, dtype=np.int64).tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()[:16]
+
+
 def tokens_per_row_forward(output_tokens: int, steps) -> float:
     """Committed tokens per row-forward (rows in a forward, idle rows included), rounded."""
     return round(output_tokens / sum(s.batch_size for s in steps), 3)
@@ -76,6 +87,8 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     batch when its recorded logits are replayed instead of running the forward
     (``loadgen.bench.replayed_forward``): the host time with the forward off the host's
     cores and caches, as on an accelerator (median of ``REPLAYS`` replays).
+
+    ``token_hash``: each mode's committed tokens (``token_hash``), to compare across changes.
 
     ``tokens_per_forward``: committed tokens per row-forward (rows in a forward, idle rows
     included). ``ideal_fdfo_over_*``: the ratio with zero host overhead, from each mode's
@@ -128,7 +141,7 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
             runs[label].append({"outputs": outputs, "steps": steps, "wall": wall, **score(requests, outputs)})
 
     result: dict = {"workload": workload, "requests": num_requests, "max_batch": max_batch, "rounds": rounds,
-                    "accuracy": {}, "tokens_per_forward": {}, "forwards_per_block_histogram": {}, **place.report()}
+                    "accuracy": {}, "token_hash": {}, "tokens_per_forward": {}, "forwards_per_block_histogram": {}, **place.report()}
     if pacer is not None:
         result["paced_by"] = {**paced_by, "parameters": sum(p.numel() for p in pacer.parameters())}
     for label, label_runs in runs.items():
@@ -137,6 +150,7 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
         result[f"{label}_seconds"] = round(statistics.median(r["wall"] for r in label_runs), 2)
         result[f"{label}_steps"] = len(first["steps"])
         result["accuracy"][label] = round(first["request_accuracy"], 4)
+        result["token_hash"][label] = token_hash(first["outputs"])
         result["tokens_per_forward"][label] = tokens_per_row_forward(first["output_tokens"], first["steps"])
         result["forwards_per_block_histogram"][label] = first["steps_per_block_histogram"]
     fdfo = runs["fdfo"]
