@@ -43,7 +43,7 @@ class EngineConfig(BaseModel):
                     "(default on a CPU: a quarter of the memory available at start, at most 4GiB); the pool "
                     "never takes more pages than max_batch requests of max_model_len need")
     max_tokens_per_step: int | None = Field(
-        None, ge=1, description="new-token bound per step: every row's block and, with fused_commit, the write of its last committed block always run (so it is at least max_batch x block length, twice that with fused_commit), prompt chunks fill the rest (default: max(2048, 2 x max_batch x block length))")
+        None, ge=1, description="new-token bound per step: every row's block and, with fused_commit, the write of its last committed block always run (so it is at least max_batch x block length, twice that with fused_commit), prompt slices fill the rest (default: max(2048, 2 x max_batch x block length))")
     max_model_len: int | None = Field(
         None, ge=1, description="longest prompt + output (default: the model's limit, cut to what the KV pool holds "
                                 "for one request, with a log line; a value given here that the pool cannot hold "
