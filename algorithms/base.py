@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 
-# Bounds every algorithm applies to the common parameters (README "Request bounds").
+# Bounds every algorithm applies to the common parameters (docs/api.md "Request bounds").
 MAX_SEED = 2**63 - 1  # seeds are 63-bit, like the ones the ingress draws
 MAX_TEMPERATURE = 100.0  # sampling is as good as uniform long before this
 MIN_TEMPERATURE = 1e-4  # the smallest positive temperature (logits / T stays finite in float32); below: greedy

@@ -35,10 +35,10 @@ class ReplicaSettings(EngineConfig):
     num_cpus: float | None = Field(
         None, gt=0, description="Ray CPUs reserved per replica (default: the node's cores left to engines, "
                                 "shared by the replicas on it; see cluster.app.size_for_node)")
-    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved per replica")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved per replica (1 with replica.device cuda: one GPU each)")
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads per replica (default: the whole CPUs it reserves, at least 1)")
-    max_ongoing_requests: int = Field(4096, ge=1, description="Serve's per-replica in-flight cap (admission bounds it first)")
+    max_ongoing_requests: int = Field(4096, ge=1, description="requests Serve lets one engine replica hold at once (queued and running); admission bounds them well before")
     stall_timeout_s: float = Field(
         30.0, gt=0, description="a replica whose engine has not finished a step for this long with work pending "
                                 "fails its health check (Serve replaces it; its requests resume elsewhere)")
@@ -76,7 +76,8 @@ class AdmissionSettings(_Section):
         description="a fixed bound instead of the SLO: row-steps a replica may owe (a request's own deadline_s "
                     "is still checked against the predicted completion; default: none, admit by predicted completion)")
     initial_row_steps_per_s: float = Field(
-        500.0, gt=0, description="drain-rate prior used until replicas have measured their step cost")
+        500.0, gt=0, description="row-steps a second a replica is assumed to drain until the replicas have measured "
+                                 "their step cost (their warm-up measures it before they report ready)")
     slo_headroom: float = Field(
         SLO_HEADROOM, gt=0, le=1,
         description="admit while the predicted completion is within this fraction of the SLO (or of a request's "
@@ -95,7 +96,8 @@ class SLOSettings(_Section):
                     f"x the seconds the longest request (max_model_len) takes alone at full batch where that is "
                     f"more (from the replicas' measured step cost and mean steps per block); a request may ask "
                     f"for less with deadline_s")
-    time_to_first_block_s: float = Field(5.0, gt=0, description="target time to the first streamed block")
+    time_to_first_block_s: float = Field(5.0, gt=0, description="target time to the first streamed block; recorded only: admission, alerts and "
+                                "autoscaling read latency_s alone")
 
     def latency_for(self, longest_request_s: Iterable[float]) -> float:
         """``latency_s``, or derived from the replicas' reported ``longest_request_s``."""
@@ -135,8 +137,8 @@ class QualitySettings(_Section):
         "fixed", description="the quality of requests that do not say (their dllm.quality): 'adaptive' ones may "
                              "run at a degraded level under load, 'fixed' ones never do")
     levels: list[QualityLevelSettings] = Field(
-        default_factory=list, description="the degraded settings, mildest first, each {algorithm, params, accuracy_loss} "
-                                        "(none: the knob is off)")
+        default_factory=list, description="the degraded settings, mildest first, each {algorithm, params, accuracy_loss, "
+                                        "step_ratio} (none: the knob is off)")
     accuracy_budget: float = Field(
         1.0, ge=0, description="points of accuracy a level may lose at most; levels that lose more are never used")
     raise_at: float = Field(0.8, gt=0, description="one level lower while predicted drain time > this x the SLO")
@@ -159,8 +161,9 @@ class QualitySettings(_Section):
 
 
 class AutoscalingSettings(_Section):
-    min_replicas: int = Field(1, ge=1, description="replicas at least")
-    max_replicas: int = Field(1, ge=1, description="replicas at most (> min_replicas enables autoscaling)")
+    min_replicas: int = Field(1, ge=1, description="engine replicas at least (--replicas N sets min and max)")
+    max_replicas: int = Field(1, ge=1, description="engine replicas at most; above min_replicas, Serve scales between the two on step debt "
+                                                             "(cluster.autoscaling)")
     target_drain_s: float | None = Field(
         None, gt=0, description="scale so that step debt drains in this time at full batch (default: slo.latency_s / 2)")
     upscale_delay_s: float = Field(5.0, ge=0, description="seconds a scale-up decision must hold before it acts")
@@ -239,8 +242,8 @@ _ALGORITHM_KEYS = {"name": "algorithm", "params": "algorithm_params"}
 class AppConfig(_Section):
     model: str = Field("tiny", description="checkpoint directory, or 'tiny' for the embedded model")
     served_model_name: str | None = Field(None, description="name in /v1/models (default: 'tiny' or the directory name)")
-    name: str = Field("dllm", description="Serve application name")
-    host: str = Field("127.0.0.1", description="HTTP host")
+    name: str = Field("dllm", description="the Ray Serve application's name (dllm-serve status lists it)")
+    host: str = Field("127.0.0.1", description="address the OpenAI API (and the metrics port) listens on; 0.0.0.0 for every interface")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API")
     metrics_port: int = Field(9400, ge=1, le=65535, description="Prometheus port of the metrics actor")
     ray_metrics_port: int | None = Field(
@@ -266,7 +269,8 @@ class AppConfig(_Section):
     drain_timeout_s: float = Field(
         30.0, ge=0, description="on SIGTERM `dllm-serve up` stops admitting (503 server_draining, Retry-After) "
                                 "and waits this long at most for the requests in flight to finish, then stops")
-    stats_period_s: float = Field(0.5, gt=0, description="how often replicas report routing/metrics stats")
+    stats_period_s: float = Field(0.5, gt=0, description="seconds between two reports of each replica's statistics (routing, admission, metrics, "
+                                                          "autoscaling read them); replicas silent for 20 periods (at least 10 s) count as stale")
     access_log: bool = Field(
         False, description="Serve's access log in the replicas' logs: a line per request each replica handles "
                            "(and its CPU: about 1% of an engine replica's under load); errors are logged either way")

@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    mode: SchedulerMode = Field(SchedulerMode.FDFO, description="scheduler mode (replicas.batching)")
-    max_batch: int = Field(16, ge=1, le=1024, description="rows per denoise step")
+    mode: SchedulerMode = Field(SchedulerMode.FDFO, description="batching policy: 'fdfo' commits done blocks and admits waiting "
+                                                             "requests every step; 'sync', 'static' and 'fixed_fill' are the research baselines "
+                                                             "(replicas.batching)")
+    max_batch: int = Field(16, ge=1, le=1024, description="most requests in the running batch (rows of a denoise step)")
     num_pages: int | None = Field(
         None, ge=2, description="KV pages, exactly (default: sized from memory, see memory_utilization; a page "
                                 "holds one block of every layer's K and V)")
@@ -41,16 +43,18 @@ class EngineConfig(BaseModel):
                     "(default on a CPU: a quarter of the memory available at start, at most 4GiB); the pool "
                     "never takes more pages than max_batch requests of max_model_len need")
     max_tokens_per_step: int | None = Field(
-        None, ge=1, description="new-token bound per step: every row's block and, with fused_commit, the write of its last committed block always run (so it is at least max_batch x block length, twice that with fused_commit), prompt chunks fill the rest (default: max(2048, 2 x max_batch x block length))")
+        None, ge=1, description="new-token bound per step: every row's block and, with fused_commit, the write of its last committed block always run (so it is at least max_batch x block length, twice that with fused_commit), prompt slices fill the rest (default: max(2048, 2 x max_batch x block length))")
     max_model_len: int | None = Field(
         None, ge=1, description="longest prompt + output (default: the model's limit, cut to what the KV pool holds "
                                 "for one request, with a log line; a value given here that the pool cannot hold "
                                 "stops the replica at start)")
-    device: str = Field("cpu", description="torch device ('cpu', 'cuda')")
+    device: str = Field("cpu", description="torch device the model runs on: 'cpu' or 'cuda'")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="weights and KV dtype (default: bfloat16 on CUDA, float32 elsewhere)")
     kv_cache: Literal["prefix", "none"] = Field(
-        "prefix", description="'none' recomputes the whole sequence every step (exact for bidirectional models, slow)")
+        "prefix", description="'prefix': committed blocks' KV is cached (exact for block-causal models, Fast-dLLM's "
+                            "approximate prefix or dual cache for bidirectional ones); 'none' recomputes the whole "
+                            "sequence every step (exact, slow)")
     canvas: Literal["full", "block"] | None = Field(
         None, description="'full': every block's masks are in the sequence from the start and attended (the "
                           "reference generation of LLaDA and Dream; with kv_cache prefix, Fast-dLLM's dual cache); "

@@ -60,18 +60,18 @@ def test_a_fixed_bound_still_refuses_what_would_miss_the_requests_own_deadline()
     assert adm.try_admit(20, slo_s=predicted * 2).admitted
 
 
-def test_light_load_admits_what_the_old_rule_refused():
-    """12 requests in flight (the issue's closed loop): the old rule charged the worst case
-    (8 blocks x 16 steps) and allowed the rate measured at the current batch x SLO; the
-    prediction charges measured steps and drains at the batch the queue runs at."""
+def test_light_load_admits_what_a_worst_case_charge_would_refuse():
+    """12 requests in flight (a closed loop of 12 clients): charging the worst case
+    (8 blocks x 16 steps) against the rate measured at the current batch x SLO would refuse;
+    the prediction charges measured steps and drains at the batch the queue runs at."""
     adm = controller(slo_latency_s=5.0, min_replicas=1)
     mean_cost = 8 * 2.3
     adm.update_view({"a": replica(debt=12 * mean_cost, live=12, steps_per_block={"2": 70, "3": 30})})
     cost = adm.cost(max_tokens=128, block_length=16, worst_case_steps_per_block=16)
     assert cost == 19  # 8 blocks x the mean measured 2.3 steps, rounded up; not the worst case of 16
     rate_at_one_row = 1 / (C0 + C1)  # what a replica measured between two light-load arrivals
-    old_outstanding = 12 * 8 * 16
-    assert old_outstanding > rate_at_one_row * 5.0  # the old rule refused here
+    worst_case_outstanding = 12 * 8 * 16
+    assert worst_case_outstanding > rate_at_one_row * 5.0  # a worst-case charge refuses here
     rate = 13 / (C0 + C1 * 13)
     expected = (12 * mean_cost + cost) / rate + cost * (C0 + C1 * 13)
     assert adm.predicted_s(cost) == pytest.approx(expected) and expected < 5.0

@@ -1,4 +1,4 @@
-"""Every request field is bounded (README "Request bounds") and a failure of ours never
+"""Every request field is bounded (docs/api.md "Request bounds") and a failure of ours never
 reaches the client as text: unit tests on the ingress without Ray, then a property test
 (hypothesis) of both endpoints through the ingress's routes and a real engine in this
 process, whose hostile examples are replayed against a live `dllm-serve up`."""

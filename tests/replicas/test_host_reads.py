@@ -13,7 +13,7 @@ argmax (``algorithms.sampling.argmax_last``) or a greedy confidence rule's host 
 arrays); never per committed block. The
 scheduler's batch and the runner's input building are numpy arrays on the host
 (``replicas.rows``), so they read no tensor at all. Logits, blocks and the algorithms' work stay on the model's device until that one
-read (issue 26: no other wait inside a step; on a GPU the forward is timed by CUDA events,
+read (no other wait inside a step; on a GPU the forward is timed by CUDA events,
 read after it, ``replicas.runner.ForwardTimer``). This test cannot tell a host tensor's read
 from a device tensor's: the places are listed by name."""
 
