@@ -151,11 +151,10 @@ class Ingress:
     def __init__(self, replicas: DeploymentHandle, config: dict):
         self.config = AppConfig.model_validate(config)
         self.request_path = path_in_this_process()
-        # Serve's gRPC between deployments where the throughput options are on (their
-        # default; a handle built in the driver process would carry the proxy path's)
-        by_reference = self.request_path == "proxy"
-        self.replicas = replicas.options(stream=True, _by_reference=by_reference)
-        self.replicas_unary = replicas.options(stream=False, _by_reference=by_reference)
+        # Ray actor calls on every path (``request_path.GRPC_ENV``: Serve's gRPC transport
+        # leaks native memory in this process)
+        self.replicas = replicas.options(stream=True, _by_reference=True)
+        self.replicas_unary = replicas.options(stream=False, _by_reference=True)
         self.keys = KeyRing(load_keys(self.config.api_key_file))  # read here, never passed in the arguments
         self.tokenizer = load_tokenizer(self.config.model)
         self.encode = text_encoder(self.tokenizer)
