@@ -4,6 +4,7 @@ algorithms < replicas < cluster; loadgen, the HTTP client, stands beside cluster
 commands) is on top and may import any of them."""
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,12 @@ def test_the_scan_sees_lazy_imports():
     """``tools.cli`` gathers the commands of cluster and loadgen; ``cmd_up`` imports Ray in its body."""
     assert {"cluster", "loadgen", "tools"} <= imported_packages(ROOT / "tools" / "cli.py")
     assert "ray" in imported_packages(ROOT / "cluster" / "cli.py")
+
+
+def test_every_package_is_installed_and_copied_into_the_image():
+    """pyproject.toml installs each top-level package, and deploy/Dockerfile copies it."""
+    packages = sorted(init.parent.name for init in ROOT.glob("*/__init__.py"))
+    assert {"algorithms", "replicas", "cluster", "loadgen", "tools"} <= set(packages)
+    included = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert [p for p in packages if f"{p}*" not in included or f" {p} {p}\n" not in dockerfile] == []
