@@ -1,4 +1,5 @@
-"""The `dllm-serve` command line."""
+"""The cluster's commands of the `dllm-serve` command line (``tools.cli`` gathers them
+with the other packages'): generate, up, status and render."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from typing import Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ByteSize
 
-from replicas.batching import MODES
 from replicas.settings import EngineConfig
 
 
@@ -123,106 +123,6 @@ def cmd_generate(args) -> int:
 
     asyncio.run(run())
     return 0
-
-
-def cmd_train_tiny(args) -> int:
-    from replicas.tiny.train import train_tiny
-
-    train_tiny(args.output, max_minutes=args.minutes, seed=args.seed)
-    return 0
-
-
-def cmd_eval_tiny(args) -> int:
-    from loadgen.bench.evaluation import evaluate_tiny
-
-    report = evaluate_tiny(args.model, modes=args.modes, batch_sizes=args.batch_sizes,
-                           num_requests=args.requests, algorithm=args.algorithm)
-    print(json.dumps(report, indent=2) if args.json else report_table(report))
-    return 0
-
-
-def report_table(report: dict) -> str:
-    from loadgen.bench.evaluation import format_report
-
-    return format_report(report)
-
-
-def _calibration_writer(path: str | None, max_batch: int):
-    """A callback that fits the simulator's calibration to the fdfo run and saves it."""
-    if path is None:
-        return None
-    from loadgen.capacity.calibration import fit_calibration, save_calibration
-
-    def write(steps, outputs) -> None:
-        calibration = fit_calibration(
-            [(s.batch_size, s.prefix_units, s.step_s) for s in steps], [n for o in outputs for n in o.block_steps],
-            [len(o.block_steps) for o in outputs], sum(s.prefix_units for s in steps) / len(outputs),
-            max_batch, source="dllm-serve bench engine")
-        save_calibration(calibration, path)
-
-    return write
-
-
-def cmd_bench(args) -> int:
-    if args.target == "engine":
-        from loadgen.bench.engine import bench_engine
-
-        paced_by = None if args.hidden is None else dict(hidden=args.hidden, layers=args.layers, heads=args.heads,
-                                                         vocab=args.vocab)
-        result = bench_engine(args.model, num_requests=args.requests, max_batch=args.max_batch, rounds=args.rounds,
-                              workload=args.workload,
-                              on_fdfo_run=_calibration_writer(args.calibration, args.max_batch),
-                              device=args.device, dtype=args.dtype, paced_by=paced_by)
-    elif args.target == "prefix":
-        from loadgen.bench.prefix import bench_prefix
-
-        result = bench_prefix(args.requests, args.prefix_len, args.tail_len, args.max_tokens, args.max_batch,
-                              args.steps, args.rounds, hidden=args.hidden, layers=args.layers, heads=args.heads)
-    elif args.target == "quality":
-        return _bench_quality(args)
-    elif args.target == "forward":
-        from loadgen.bench.forward import bench_forward
-
-        heads = args.heads or max(1, args.d_model // 64)
-        shape = {"llada": dict(d_model=args.d_model, layers=args.layers, heads=heads, mlp=int(args.d_model * 2.75)),
-                 "sdar": dict(hidden=args.d_model, layers=args.layers, heads=heads, vocab=args.vocab)}
-        result = bench_forward(tuple(args.architectures), tuple(args.batch_sizes), args.prompt_len, args.max_tokens,
-                               args.steps, args.rounds, device=args.device, dtype=args.dtype, **shape)
-    elif args.target == "canvas":
-        from loadgen.bench.canvas import bench_canvas
-
-        result = bench_canvas(tuple(args.batch_sizes), args.prompt_len, args.max_tokens, args.steps, args.rounds,
-                              d_model=args.d_model, layers=args.layers, mlp=int(args.d_model * 2.75))
-    else:
-        from loadgen.capacity.policy_bench import bench_policies
-
-        result = bench_policies(args.model, num_requests=args.requests, load=args.load, rate=args.rate,
-                                max_batch=args.max_batch, slo_latency_s=args.slo_latency, seed=args.seed,
-                                fill_timeout_s=args.fill_timeout)
-    print(json.dumps(result, indent=None if args.json else 2))
-    return 0
-
-
-def _bench_quality(args) -> int:
-    from loadgen.bench.quality import (bench_quality, bench_quality_random, format_quality, plot_quality,
-                                       sweep)
-
-    settings = sweep(tuple(args.thresholds), tuple(args.factors))
-    if args.random:
-        result = bench_quality_random(args.random, settings=settings)
-    else:
-        result = bench_quality(args.model, num_requests=args.requests, max_batch=args.max_batch,
-                               rounds=args.rounds, workload=args.workload, settings=settings)
-        if args.plot:
-            plot_quality(result, args.plot)
-    print(json.dumps(result) if args.json else format_quality(result))
-    return 0
-
-
-def cmd_loadgen(args) -> int:
-    from loadgen.cli import run_loadgen
-
-    return run_loadgen(args)
 
 
 _UP_SHORTCUTS = {  # flag dest -> config key, besides the replica.* flags
@@ -482,9 +382,15 @@ def cmd_render(args) -> int:
     return 0
 
 
+def register(commands, benches, client_only: bool) -> None:
+    """Add the cluster's commands to ``commands`` (argparse subparsers): generate, up,
+    status and render, which run (or render) the engine; none is a client command, so
+    ``client_only`` adds nothing. The cluster has no bench (``benches`` is unused)."""
+    if not client_only:
+        _add_engine_commands(commands)
+
+
 def _add_engine_commands(commands) -> None:
-    """generate, train-tiny, eval-tiny, up, status and render: the commands that run (or
-    render) the engine."""
     from algorithms import available_algorithms
 
     algorithm_choices = {"algorithm": available_algorithms()}
@@ -501,21 +407,6 @@ def _add_engine_commands(commands) -> None:
     gen.add_argument("--stream", action="store_true", help="print each block as it commits")
     _setting_flags(gen.add_argument_group("engine settings"), EngineConfig, ENGINE_DEST, algorithm_choices)
     gen.set_defaults(func=cmd_generate)
-
-    train = commands.add_parser("train-tiny", help="train the embedded tiny model (<= 10 min on 2 CPU cores)")
-    train.add_argument("--output", required=True, help="directory to write the checkpoint to")
-    train.add_argument("--minutes", type=float, default=8.0, help="wall-clock training budget (default 8)")
-    train.add_argument("--seed", type=int, default=0)
-    train.set_defaults(func=cmd_train_tiny)
-
-    ev = commands.add_parser("eval-tiny", help="accuracy and steps-per-block histogram of the tiny model")
-    ev.add_argument("--model", default="tiny")
-    ev.add_argument("--modes", nargs="+", default=["fdfo", "sync"], choices=MODES)
-    ev.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
-    ev.add_argument("--requests", type=int, default=300, help="held-out requests (default 300)")
-    ev.add_argument("--algorithm", choices=available_algorithms(), default="low_confidence")
-    ev.add_argument("--json", action="store_true", help="print JSON")
-    ev.set_defaults(func=cmd_eval_tiny)
 
     from cluster.config import ReplicaSettings, describe_fields
 
@@ -585,195 +476,3 @@ def _add_engine_commands(commands) -> None:
     render.add_argument("--prometheus-rule", action="store_true",
                         help="rules: a PrometheusRule resource (the Prometheus Operator) instead of a rule file")
     render.set_defaults(func=cmd_render)
-
-
-def _add_device_options(target) -> None:
-    target.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the engine runs (default cpu)")
-    target.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                        help="weights, activations and KV (default: bfloat16 on cuda, float32 on cpu)")
-
-
-def _add_engine_benches(targets) -> None:
-    """bench engine, policies, quality, canvas and prefix: benchmarks of the engine itself."""
-    from loadgen.bench.quality import FACTORS, THRESHOLDS
-
-    engine = targets.add_parser("engine", help="fdfo vs sync vs static tokens/s on one closed workload")
-    engine.add_argument("--requests", type=int, default=256, help="requests (default 256)")
-    engine.add_argument("--rounds", type=int, default=3,
-                        help="rounds of fdfo, sync, static and fdfo with a separate KV-write forward, interleaved; "
-                             "ratios are the median over the rounds, with their spread (default 3)")
-    engine.add_argument("--workload", choices=["default", "hard"], default="default",
-                        help="default: 0 to 12 blanks a puzzle; hard: 8 to 12, so blocks take more steps")
-    engine.add_argument("--calibration", metavar="FILE",
-                        help="also write the simulator's calibration (step cost, step counts) here")
-    engine.add_argument("--hidden", type=int,
-                        help="pace every forward by a random SDAR of this hidden size: each mode's run of the model "
-                             "is recorded once, and the timed runs replay its answers while that model's forward "
-                             "runs in its place (same steps and tokens, a larger model's cost); 2048 with the "
-                             "defaults below is SDAR-1.7B's shape (default: no pacing, the model's own forward)")
-    engine.add_argument("--layers", type=int, default=28, help="the pacing SDAR's layers (default 28)")
-    engine.add_argument("--heads", type=int, default=16,
-                        help="its attention heads (default 16; half as many KV heads, heads of hidden/heads, an FFN "
-                             "of 3 x hidden)")
-    engine.add_argument("--vocab", type=int, default=151936, help="its vocabulary (default 151936)")
-    _add_device_options(engine)
-    policies = targets.add_parser(
-        "policies", help="static, sync, fixed_fill and fdfo latency and goodput under one Poisson load")
-    policies.add_argument("--requests", type=int, default=300, help="requests (default 300)")
-    policies.add_argument("--rate", type=float, help="arrivals per second (default: --load x fdfo capacity)")
-    policies.add_argument("--load", type=float, default=0.7, help="offered load as a fraction of fdfo capacity")
-    policies.add_argument("--slo-latency", type=float, default=1.0, help="latency SLO for goodput (s)")
-    policies.add_argument("--fill-timeout", type=float, help="fixed_fill timeout in s (default: tuned online)")
-    policies.add_argument("--seed", type=int, default=0)
-    for target in (engine, policies):
-        target.add_argument("--model", default="tiny")
-        target.add_argument("--max-batch", type=int, default=16)
-        target.add_argument("--json", action="store_true", help="one JSON object on one line")
-        target.set_defaults(func=cmd_bench)
-
-    quality = targets.add_parser(
-        "quality", help="accuracy, tokens per forward and tokens/s as the confidence bar is lowered",
-        description="Sweeps low_confidence's threshold and fast_dllm_factor's factor on the trained tiny model: "
-                    "per setting, request accuracy, tokens per row-forward, steps per block and tokens/s, the "
-                    "settings run in turn for --rounds rounds (tokens/s and its ratio to the default setting, "
-                    "low_confidence threshold=0.95, are medians over the rounds). --random sweeps random weights "
-                    "instead, where only tokens per forward mean anything.")
-    quality.add_argument("--requests", type=int, default=400, help="requests (default 400: the whole held-out set)")
-    quality.add_argument("--workload", choices=["heldout", "hard"], default="heldout",
-                         help="heldout: the tiny model's held-out set; hard: 8 to 12 blanks a puzzle")
-    quality.add_argument("--rounds", type=int, default=3, help="rounds of every setting (default 3)")
-    quality.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS),
-                         help=f"low_confidence thresholds (default {' '.join(map(str, THRESHOLDS))})")
-    quality.add_argument("--factors", type=float, nargs="+", default=list(FACTORS),
-                         help=f"fast_dllm_factor factors (default {' '.join(map(str, FACTORS))})")
-    quality.add_argument("--random", choices=["sdar", "llada"],
-                         help="random weights of this architecture (42M-class SDAR, 1B-class LLaDA): tokens per "
-                              "forward only")
-    quality.add_argument("--plot", metavar="OUT.png", help="accuracy against tokens per forward (tiny model)")
-    quality.add_argument("--model", default="tiny")
-    quality.add_argument("--max-batch", type=int, default=16)
-    quality.add_argument("--json", action="store_true", help="one JSON object on one line")
-    quality.set_defaults(func=cmd_bench)
-
-    canvas = targets.add_parser(
-        "canvas", help="full canvas (dual cache) vs block canvas tokens/s on a random 1B-class LLaDA")
-    canvas.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="(default: 1 16)")
-    canvas.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
-    canvas.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default 128)")
-    canvas.add_argument("--steps", type=int, default=8, help="fixed_steps forwards per block (default 8)")
-    canvas.add_argument("--rounds", type=int, default=2,
-                        help="rounds of both canvases in alternating order; ratios are medians (default 2)")
-    canvas.add_argument("--d-model", type=int, default=2048, help="hidden size (default 2048)")
-    canvas.add_argument("--layers", type=int, default=16, help="transformer layers (default 16)")
-    canvas.add_argument("--json", action="store_true", help="one JSON object on one line")
-    canvas.set_defaults(func=cmd_bench)
-
-    forward = targets.add_parser(
-        "forward", help="the engine's forward vs a plain reference forward of the same weights, per architecture",
-        description="Random LLaDA (full canvas) and SDAR (block canvas) weights; the engine runs without a KV cache "
-                    "(every forward recomputes each row's sequence) and the reference, the published models' math "
-                    "written out densely (LM head over every position), runs the same shapes. Rounds alternate "
-                    "which side goes first; project/reference forward seconds is the median over the rounds, with "
-                    "its spread (under 1: the project's forward is faster).")
-    forward.add_argument("--architectures", nargs="+", choices=["llada", "sdar"], default=["llada", "sdar"],
-                         help="random weights of these (default: both): LLaDA on its full canvas, SDAR on blocks")
-    forward.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="(default: 1 8)")
-    forward.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
-    forward.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default 128)")
-    forward.add_argument("--steps", type=int, default=4, help="fixed_steps forwards per block (default 4)")
-    forward.add_argument("--rounds", type=int, default=3, help="rounds of both sides (default 3)")
-    forward.add_argument("--d-model", type=int, default=512,
-                         help="hidden size (default 512; heads of 64; LLaDA keeps its vocabulary of 126464)")
-    forward.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
-    forward.add_argument("--heads", type=int,
-                         help="attention heads (default: d-model / 64; SDAR has half as many KV heads)")
-    forward.add_argument("--vocab", type=int, default=32768,
-                         help="SDAR's vocabulary (default 32768; --d-model 2048 --layers 28 --heads 16 --vocab 151936 "
-                              "is SDAR-1.7B's shape)")
-    _add_device_options(forward)
-    forward.add_argument("--json", action="store_true", help="one JSON object on one line")
-    forward.set_defaults(func=cmd_bench)
-
-    prefix = targets.add_parser(
-        "prefix", help="prefix cache on vs off: tokens/s and time to first block on a random SDAR, shared prompts",
-        description="Requests that share a long prefix (a system prompt) and each add a tail of their own, on a "
-                    "random SDAR (blocks of 32, fixed_steps); one request warms the cache, then the rest arrive "
-                    "at once. Cache on and off run in alternating order; ratios are medians over the rounds.")
-    prefix.add_argument("--requests", type=int, default=8, help="timed requests (default 8)")
-    prefix.add_argument("--prefix-len", type=int, default=1024, help="shared prefix tokens (default 1024)")
-    prefix.add_argument("--tail-len", type=int, default=64, help="each request's own tokens after it (default 64)")
-    prefix.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default 128)")
-    prefix.add_argument("--max-batch", type=int, default=8, help="rows per step (default 8)")
-    prefix.add_argument("--steps", type=int, default=8, help="fixed_steps forwards per block (default 8)")
-    prefix.add_argument("--rounds", type=int, default=2, help="rounds of both settings (default 2)")
-    prefix.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024: ~185M parameters)")
-    prefix.add_argument("--layers", type=int, default=12, help="transformer layers (default 12)")
-    prefix.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
-    prefix.add_argument("--json", action="store_true", help="one JSON object on one line")
-    prefix.set_defaults(func=cmd_bench)
-
-
-def build_parser(client_only: bool = False) -> argparse.ArgumentParser:
-    """The whole CLI; ``client_only``: only what a client machine runs (load, calibration of a
-    running server, simulation), whose parser and modules import neither torch nor the engine."""
-    parser = argparse.ArgumentParser(
-        prog="dllm-serve",
-        description="Serve masked diffusion language models with a block-granular FDFO engine.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    commands = parser.add_subparsers(dest="command", required=True)
-    if not client_only:
-        _add_engine_commands(commands)
-    bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    targets = bench.add_subparsers(dest="target", required=True)
-    from loadgen.capacity.cli import add_bench_calibration_parser, add_calibrate_parser, add_simulate_parser
-    from loadgen.cli import add_loadgen_parser
-    from loadgen.detokenize_bench import add_bench_detokenize_parser
-    from loadgen.overload import add_bench_overload_parser
-    from loadgen.soak import add_bench_soak_parser
-
-    if not client_only:
-        _add_engine_benches(targets)
-        add_bench_detokenize_parser(targets)
-    add_bench_calibration_parser(targets)
-    add_bench_overload_parser(targets)
-    add_bench_soak_parser(targets)
-    add_calibrate_parser(commands)
-    add_simulate_parser(commands)
-    add_loadgen_parser(commands).set_defaults(func=cmd_loadgen)
-    return parser
-
-
-CLIENT_COMMANDS = ("loadgen", "calibrate", "simulate")
-CLIENT_BENCHES = ("overload", "calibration", "soak")
-
-
-def is_client_command(argv: list[str]) -> bool:
-    """Whether ``argv`` runs a client machine's command (``CLIENT_COMMANDS``, ``bench`` of
-    ``CLIENT_BENCHES``): then neither torch nor the engine is imported, not even for --help."""
-    words = [word for word in argv if not word.startswith("-")]
-    return words[:1] in [[c] for c in CLIENT_COMMANDS] or words[:2] in [["bench", b] for b in CLIENT_BENCHES]
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    client = is_client_command(argv)
-    args = build_parser(client).parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from cluster.config import ConfigError
-
-    refusals: tuple[type[Exception], ...] = (ConfigError, ValueError)
-    if not client:
-        from replicas.models import CheckpointError
-        from replicas.messages import RequestError
-
-        refusals += (CheckpointError, RequestError)
-    try:
-        return args.func(args)
-    except refusals as exc:
-        print(f"dllm-serve: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

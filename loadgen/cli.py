@@ -106,7 +106,7 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def add_loadgen_parser(commands) -> argparse.ArgumentParser:
+def add_loadgen_parser(commands) -> None:
     """Add the `loadgen` subcommand and its options to ``commands`` (argparse subparsers)."""
     parser = commands.add_parser(
         "loadgen", help="open-loop Poisson or trace load against an OpenAI-compatible endpoint; SLO report",
@@ -164,7 +164,7 @@ def add_loadgen_parser(commands) -> argparse.ArgumentParser:
                      help="write a figure: latency CDF and latency over time (with --sweep: p50/p99 latency "
                           "and goodput against offered rate)")
     out.add_argument("--quiet", action="store_true", help="no progress line on stderr")
-    return parser
+    parser.set_defaults(func=run_loadgen)
 
 
 def _workload_options(args) -> dict:

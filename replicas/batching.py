@@ -1,7 +1,7 @@
 """The batching rules of every scheduler mode, as stateless policy objects (no torch).
 
 The engine's scheduler (``replicas.scheduler``) and the capacity simulator
-(``loadgen.capacity.simulator``) both decide with ``batching_policy(mode)``, so the
+(``tools.capacity.simulator``) both decide with ``batching_policy(mode)``, so the
 simulator makes the engine's batching decisions by construction. ``BatchingPolicy`` is
 the production rule (fdfo); the other modes are research baselines that override it.
 

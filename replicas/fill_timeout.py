@@ -1,4 +1,4 @@
-"""Fill timeouts: how long a batch may wait for arrivals (derivation: loadgen/capacity/FILL_TIMEOUT.md).
+"""Fill timeouts: how long a batch may wait for arrivals (derivation: tools/capacity/FILL_TIMEOUT.md).
 
 Pure functions of the arrival rate λ (requests per second), the step cost c0 + c1·b
 seconds, and the steps-per-block and blocks-per-request distributions ({level: weight}).

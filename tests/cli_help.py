@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from cluster.cli import build_parser, main
+from tools.cli import build_parser, main
 
 
 def command_parser(*path: str) -> argparse.ArgumentParser:

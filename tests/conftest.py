@@ -63,3 +63,9 @@ def cluster(tmp_path_factory):
     yield running
     stop_cluster(running.process)
     assert running.process.returncode is not None
+
+
+@pytest.fixture
+def closed_url():
+    """A 127.0.0.1 URL on a port nothing listens on."""
+    return f"http://127.0.0.1:{free_port()}"

@@ -62,7 +62,7 @@ def start_cluster(tmp_path, settings: dict, timeout_s: float = 180, api_keys: st
     env = {k: v for k, v in os.environ.items() if k != API_KEYS_ENV}
     if api_keys is not None:
         env[API_KEYS_ENV] = api_keys
-    process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", "--config", str(path)],
+    process = subprocess.Popen([sys.executable, "-m", "tools.cli", "up", "--config", str(path)],
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -54,14 +54,14 @@ def test_missing_file():
 
 
 def test_cli_reports_bad_config_without_traceback():
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--set", "replica.max_batch=0"],
+    result = subprocess.run([sys.executable, "-m", "tools.cli", "up", "--set", "replica.max_batch=0"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "replica.max_batch" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_up_checks_params_of_the_models_default_algorithm_before_starting(capsys):
-    from cluster.cli import main
+    from tools.cli import main
 
     assert main(["up", "--set", "algorithm.params.nope=1"]) == 2  # no algorithm.name: the model's own
     assert "the model's default low_confidence" in capsys.readouterr().err
@@ -72,7 +72,7 @@ def test_up_refuses_a_taken_port_before_starting_ray():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--set", f"metrics_port={port}"],
+        result = subprocess.run([sys.executable, "-m", "tools.cli", "up", "--set", f"metrics_port={port}"],
                                 capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"metrics_port {port} on 127.0.0.1 is not free" in result.stderr and "Traceback" not in result.stderr
@@ -84,14 +84,14 @@ def test_a_named_cluster_that_does_not_answer_is_a_clear_error_at_once(command):
     with socket.socket() as closed:  # a port nothing listens on
         closed.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{closed.getsockname()[1]}"
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", command, "--address", address],
+    result = subprocess.run([sys.executable, "-m", "tools.cli", command, "--address", address],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"no Ray cluster answers at {address}" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_up_help_documents_every_setting():
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--help"],
+    result = subprocess.run([sys.executable, "-m", "tools.cli", "up", "--help"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
     for key in ("replica.max_batch", "admission.cost_quantile", "slo.latency_s", "autoscaling.max_replicas",

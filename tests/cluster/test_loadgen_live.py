@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from loadgen.arrivals import poisson_times
-from loadgen.capacity.calibration import load_calibration
+from tools.capacity.calibration import load_calibration
 
 RATE, DURATION_S, SEED = 8.0, 6.0, 3
 REPLICAS = 2  # the shared cluster's
@@ -23,7 +23,7 @@ def key_args(cluster) -> list[str]:
 def test_loadgen_report_is_consistent(cluster, tmp_path):
     plot = tmp_path / "run.png"
     run = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "loadgen", "--url", cluster.base_url, *key_args(cluster),
+        [sys.executable, "-m", "tools.cli", "loadgen", "--url", cluster.base_url, *key_args(cluster),
          "--rate", str(RATE),
          "--duration", str(DURATION_S), "--seed", str(SEED), "--timeout", "60", "--slo-latency", "5",
          "--json", "--records", "--plot", str(plot)],
@@ -59,7 +59,7 @@ def test_loadgen_report_is_consistent(cluster, tmp_path):
 
 
 def _cli(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -112,7 +112,7 @@ def test_a_chats_later_turns_find_their_history_in_the_prefix_cache(cluster):
     router sends it to that replica."""
     times = poisson_times(RATE, SEED, count=18)
     run = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "loadgen", "--url", cluster.base_url, *key_args(cluster), "--workload", "chat",
+        [sys.executable, "-m", "tools.cli", "loadgen", "--url", cluster.base_url, *key_args(cluster), "--workload", "chat",
          "--turns", "3", "--open-chats", "3", "--rate", str(RATE), "--requests", str(len(times)),
          "--seed", str(SEED), "--timeout", "60", "--json", "--records", "--quiet"], capture_output=True, timeout=150)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
@@ -131,7 +131,7 @@ def test_bench_soak_reads_each_engine_replica_sends_every_kind_and_finds_the_clu
     from loadgen.soak import KINDS
 
     run = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "soak", "--url", cluster.base_url, *key_args(cluster),
+        [sys.executable, "-m", "tools.cli", "bench", "soak", "--url", cluster.base_url, *key_args(cluster),
          "--metrics-url", cluster.metrics_url, "--duration", "6", "--clients", "9", "--sample-every", "1"],
         capture_output=True, text=True, timeout=150)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

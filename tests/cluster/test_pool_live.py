@@ -38,7 +38,7 @@ def sdar_32k(tmp_path_factory):
 
 
 def status(running) -> dict:
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--json", "--address", running.ray_address],
+    result = subprocess.run([sys.executable, "-m", "tools.cli", "status", "--json", "--address", running.ray_address],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -78,7 +78,7 @@ def test_a_32k_position_checkpoint_at_64_rows_serves_within_its_memory_budget(sd
 
 
 def test_a_budget_too_small_stops_up_with_one_line_naming_the_sizes(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--set", "replica.memory_utilization=0.0001",
+    result = subprocess.run([sys.executable, "-m", "tools.cli", "up", "--set", "replica.memory_utilization=0.0001",
                              "--set", "replica.max_model_len=512", "--set", f"port={free_port()}",
                              "--set", f"metrics_port={free_port()}"],
                             capture_output=True, text=True, timeout=600, cwd=tmp_path)

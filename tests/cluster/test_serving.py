@@ -14,7 +14,7 @@ import pytest
 
 from cluster.metrics import METRICS
 from replicas.engine import Engine, EngineConfig
-from loadgen.bench.evaluation import score, tiny_params
+from tools.bench.evaluation import score, tiny_params
 from replicas.tiny.task import MAX_TOKENS as TINY_MAX_TOKENS
 from replicas.messages import GenerateChunk
 from replicas.models import load_tokenizer
@@ -288,7 +288,7 @@ def test_64_concurrent_requests_on_two_replicas_match_offline_accuracy(cluster):
 def _status(cluster, *flags: str) -> str:
     """`dllm-serve status` of ``cluster`` (at the Ray address its `up` printed: other
     clusters of the suite run on this machine too)."""
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "status", *flags, "--address", cluster.ray_address],
+    result = subprocess.run([sys.executable, "-m", "tools.cli", "status", *flags, "--address", cluster.ray_address],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout

@@ -11,7 +11,8 @@ from ray import cloudpickle
 
 from cluster.app import build_app
 from cli_help import command_parser
-from cluster.cli import _engine_config, build_parser, up_config
+from cluster.cli import _engine_config, up_config
+from tools.cli import build_parser
 from cluster.config import ReplicaSettings, load_config
 from cluster.errors import APIError
 from replicas.deployment import EngineReplica
@@ -211,7 +212,7 @@ def test_ingress_builds_the_request_the_replica_takes(ingress, replica):
 
 
 def test_generate_runs_with_engine_flags_and_request_params(capsys):
-    from cluster.cli import main
+    from tools.cli import main
 
     prompt = "1.3. ..2. 4... .1.4 " + " ".join(["----"] * 6)
     assert main(["generate", prompt, "--max-tokens", "16", "--algorithm", "fixed_steps", "--param", "steps=2",

@@ -57,7 +57,7 @@ def test_secret_name_and_key_are_the_options_and_only_a_secret_brings_a_key():
 
 
 def test_a_key_in_the_config_is_refused_and_never_printed(capsys):
-    from cluster.cli import main
+    from tools.cli import main
 
     assert main(["render", "k8s", "--config", "deploy/config.gpu.yaml", "--set", "api_key=sk-do-not-print",
                  "--api-key-secret", "dllm-api-keys"]) == 2
@@ -66,7 +66,7 @@ def test_a_key_in_the_config_is_refused_and_never_printed(capsys):
 
 
 def test_render_help_names_the_environment_variable(capsys):
-    from cluster.cli import main
+    from tools.cli import main
 
     with pytest.raises(SystemExit):
         main(["render", "--help"])

@@ -49,7 +49,7 @@ def test_committed_example_is_a_fresh_render(variant):
 @pytest.mark.parametrize("variant", EXAMPLES)
 def test_render_cli_writes_the_committed_example(variant, tmp_path):
     out = tmp_path / "rs.yaml"
-    subprocess.run([sys.executable, "-m", "cluster.cli", *render_command(variant), "-o", str(out)],
+    subprocess.run([sys.executable, "-m", "tools.cli", *render_command(variant), "-o", str(out)],
                    cwd=ROOT, check=True, timeout=120)
     assert out.read_text() == (ROOT / f"deploy/rayservice.{variant}.yaml").read_text()
 
@@ -117,7 +117,7 @@ def test_serve_config_builds_the_app_up_runs(monkeypatch):
     (["--config", EXAMPLES["cpu"], "--api-key-secret-key", "api-key"], "needs --api-key-secret"),
 ])
 def test_render_refuses_bad_input(args, message, capsys):
-    from cluster.cli import main
+    from tools.cli import main
 
     assert main(["render", "k8s", *args]) == 2
     assert message in capsys.readouterr().err

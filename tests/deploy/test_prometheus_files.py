@@ -37,7 +37,7 @@ def test_committed_rules_are_a_fresh_render(operator, tmp_path):
     flags = ["--prometheus-rule"] if operator else []
     out = tmp_path / "rules.yaml"
     command = ["render", "rules", "--config", SOURCE, *flags]
-    subprocess.run([sys.executable, "-m", "cluster.cli", *command, "-o", str(out)], cwd=ROOT, check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "tools.cli", *command, "-o", str(out)], cwd=ROOT, check=True, timeout=120)
     fresh = render_rules(load_config(ROOT / SOURCE), SOURCE, operator)
     assert COMMITTED[operator].read_text() == out.read_text() == fresh, (
         f"re-render: dllm-serve {' '.join(command)} -o {COMMITTED[operator].relative_to(ROOT)}")

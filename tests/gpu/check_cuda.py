@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from replicas.attention import BatchLayout, flash_available, paged_context
-from loadgen.bench.canvas import IdsOnly
+from tools.bench.canvas import IdsOnly
 from replicas.engine import Engine, EngineConfig
 from replicas.models.sdar import SDARForCausalLM
 from replicas.models.transformer import QwenStyleConfig

@@ -199,9 +199,9 @@ LLADA_BENCH = dict(d_model=2048, layers=16, heads=16, mlp=5632)  # LLADA_1B's sh
 def run_bench(run: Run) -> None:
     """``bench forward`` (project against reference forward, 1B-class LLaDA and SDAR) and
     ``bench engine`` (fdfo / sync / static on the tiny task, each forward paced by
-    SDAR-1.7B's, see ``loadgen.bench.engine``), on the device."""
-    from loadgen.bench.engine import bench_engine
-    from loadgen.bench.forward import bench_forward
+    SDAR-1.7B's, see ``tools.bench.engine``), on the device."""
+    from tools.bench.engine import bench_engine
+    from tools.bench.forward import bench_forward
 
     if run.dry:
         run.record("bench", "forward", bench_forward(("llada", "sdar"), (1, 2), rounds=1, prompt_len=16, max_tokens=64,

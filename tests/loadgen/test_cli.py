@@ -4,7 +4,7 @@
 import pytest
 
 from cli_help import assert_help_explains_every_option
-from cluster.cli import main
+from tools.cli import main
 
 
 def test_help_explains_every_option(capsys):

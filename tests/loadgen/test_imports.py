@@ -1,5 +1,6 @@
 """The load generator runs from a small environment: importing it pulls in neither torch nor
-the engine; nor does the capacity simulator, which decides with the engine's pure rules."""
+the engine; nor does the capacity simulator, which decides with the engine's pure rules, nor
+do the command line's modules, which import the engine's benches only when one runs."""
 
 import subprocess
 import sys
@@ -8,12 +9,15 @@ import pytest
 
 LOAD_GENERATOR = ["loadgen.cli", "loadgen.client", "loadgen.loops", "loadgen.arrivals", "loadgen.stats",
                   "loadgen.report", "loadgen.records", "loadgen.plot",
-                  "loadgen.overload"]
-CAPACITY = ["loadgen.capacity.simulator", "loadgen.capacity.calibration", "loadgen.capacity.step_cost",
-            "loadgen.capacity.live_calibration", "loadgen.capacity.calibration_bench", "loadgen.capacity.cli"]
+                  "loadgen.overload", "loadgen.soak", "loadgen.commands"]
+CAPACITY = ["tools.capacity.simulator", "tools.capacity.calibration", "tools.capacity.step_cost",
+            "tools.capacity.live_calibration", "tools.capacity.calibration_bench", "tools.capacity.cli"]
+COMMAND_LINE = ["tools.cli", "tools.commands", "tools.bench.cli", "tools.bench.detokenize", "tools.tiny_training.cli",
+                "loadgen.commands", "cluster.cli"]
 
 
-@pytest.mark.parametrize("modules", [LOAD_GENERATOR, CAPACITY], ids=["load-generator", "capacity"])
+@pytest.mark.parametrize("modules", [LOAD_GENERATOR, CAPACITY, COMMAND_LINE],
+                         ids=["load-generator", "capacity", "command-line"])
 def test_imports_pull_in_neither_torch_nor_the_engine(modules):
     code = (f"import sys\nfor name in {modules!r}: __import__(name)\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'replicas.engine', "
@@ -29,7 +33,7 @@ def test_imports_pull_in_neither_torch_nor_the_engine(modules):
 ], ids=["loadgen", "calibrate", "simulate", "bench overload", "bench calibration", "a loadgen run"])
 def test_client_commands_of_the_cli_import_neither_torch_nor_the_engine(argv):
     """`dllm-serve loadgen` and the other client commands run on a machine without torch."""
-    code = (f"import sys\nfrom cluster.cli import main\ntry:\n    code = main({argv!r})\nexcept SystemExit as exit_:\n"
+    code = (f"import sys\nfrom tools.cli import main\ntry:\n    code = main({argv!r})\nexcept SystemExit as exit_:\n"
             f"    code = exit_.code\nprint(code, sorted(m for m in sys.modules if m == 'torch' or m.startswith(("
             f"'torch.', 'algorithms', 'replicas.engine', 'replicas.scheduler', 'replicas.runner'))))")
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -39,7 +43,7 @@ def test_client_commands_of_the_cli_import_neither_torch_nor_the_engine(argv):
 
 
 def test_the_whole_cli_still_lists_every_command(capsys):
-    from cluster.cli import main
+    from tools.cli import main
 
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from cli_help import assert_help_explains_every_option
-from cluster.cli import main
+from tools.cli import main
 from loadgen import overload
 from loadgen.client import Endpoint
 from loadgen.records import ERROR, OK, REFUSED, Record

@@ -2,7 +2,7 @@
 
 import pytest
 
-from loadgen.bench.closed_batch_model import ClosedRequest, closed_batch_seconds
+from tools.bench.closed_batch_model import ClosedRequest, closed_batch_seconds
 from replicas.messages import SamplingParams
 
 C0, C1 = 1.0, 0.5  # a forward of n tokens costs 1 + 0.5 n

@@ -7,7 +7,7 @@ from functools import lru_cache
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from loadgen.detokenize_bench import byte_level_bpe as train_byte_level_bpe
+from tools.bench.detokenize import byte_level_bpe as train_byte_level_bpe
 from replicas.detokenizer import CONTEXT_TOKENS, Detokenizer, held_suffix
 from replicas.output import OutputProcessor, text_decoder
 from replicas.request import FinishReason, Request

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from loadgen.capacity.calibration import DEFAULT_CALIBRATION, Calibration
+from tools.capacity.calibration import DEFAULT_CALIBRATION, Calibration
 from replicas.fill_timeout import (batch_capacity, fdfo_hold, modelled_mean_latency,
                                    optimal_fill_timeout)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loadgen.bench.evaluation import tiny_params
+from tools.bench.evaluation import tiny_params
 from replicas.engine import Engine, EngineConfig
 from replicas.tiny import task
 

@@ -119,7 +119,7 @@ def test_attention_over_long_rows_in_groups_equals_one_group(monkeypatch):
 
 
 def test_up_refuses_a_pool_the_settings_fix_too_small_before_starting_anything(capsys):
-    from cluster.cli import main
+    from tools.cli import main
 
     assert main(["up", "--set", f"replica.kv_cache_memory={4 * TINY_PAGE}", "--set", "replica.max_model_len=512"]) == 2
     err = capsys.readouterr().err

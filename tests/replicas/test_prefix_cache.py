@@ -300,7 +300,7 @@ def test_a_next_turn_finds_the_blocks_its_first_turn_committed(make_engine, toke
 
 
 def test_bench_prefix_reports_both_settings_side_by_side():
-    from loadgen.bench.prefix import bench_prefix
+    from tools.bench.prefix import bench_prefix
 
     report = bench_prefix(requests=3, prefix_len=96, tail_len=8, max_tokens=32, max_batch=2, steps=2, rounds=2,
                           hidden=64, layers=1, heads=2, vocab=512)

@@ -6,7 +6,7 @@ import threading
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from loadgen.detokenize_bench import byte_level_bpe
+from tools.bench.detokenize import byte_level_bpe
 from replicas.models import load_tokenizer
 from replicas.text_encoding import text_encoder
 

@@ -8,8 +8,8 @@ from replicas.models import load_model, load_tokenizer
 from replicas.messages import SamplingParams
 from replicas.batching import SchedulerMode
 from replicas.tiny import task
-from loadgen.bench.engine import BENCH_SEED, SEPARATE_KV, WORKLOADS, bench_engine
-from loadgen.bench.evaluation import evaluate_tiny
+from tools.bench.engine import BENCH_SEED, SEPARATE_KV, WORKLOADS, bench_engine
+from tools.bench.evaluation import evaluate_tiny
 from replicas.tiny.task import MAX_TOKENS as TINY_MAX_TOKENS
 
 ALGORITHM_CASES = {

@@ -5,7 +5,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from loadgen.detokenize_bench import MIXED_SCRIPTS, byte_level_bpe
+from tools.bench.detokenize import MIXED_SCRIPTS, byte_level_bpe
 from replicas.models import load_tokenizer
 from replicas.token_bytes import byte_level_alphabet, token_bytes
 

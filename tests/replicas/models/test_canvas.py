@@ -4,7 +4,7 @@ apply, pages and batching) and the blocks' alignment."""
 import pytest
 import torch
 
-from loadgen.bench.canvas import bench_canvas
+from tools.bench.canvas import bench_canvas
 from replicas.attention import DenseAttentionContext
 from replicas.engine import Engine, EngineConfig
 from replicas.messages import RequestError, SamplingParams
@@ -48,7 +48,7 @@ def test_full_canvas_rows_do_not_depend_on_their_batch(checkpoint_engine, kv_cac
 
 @pytest.mark.bench
 def test_bench_canvas_runs_both_canvases_through_the_same_forwards():
-    from cluster.cli import main
+    from tools.cli import main
 
     report = bench_canvas((1, 2), prompt_len=20, max_tokens=64, steps=4, rounds=2, d_model=64, layers=1, heads=4,
                           mlp=128)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from cli_help import assert_help_explains_every_option
 
-from loadgen.bench.forward import ARCHITECTURES, bench_forward, project_forwards, reference_logits
+from tools.bench.forward import ARCHITECTURES, bench_forward, project_forwards, reference_logits
 from replicas.attention import DenseAttentionContext
 
 SMALL = {"llada": dict(d_model=64, layers=2, heads=4, mlp=176),  # LLaDA's vocabulary: its mask id is in it
@@ -40,7 +40,7 @@ def test_without_a_cache_each_forward_feeds_the_rows_whole_sequence():
 
 @pytest.mark.bench
 def test_bench_forward_reports_a_ratio_per_architecture_and_batch():
-    from cluster.cli import main
+    from tools.cli import main
 
     report = bench_forward(batch_sizes=(1, 2), prompt_len=32, max_tokens=64, steps=2, rounds=2, **SMALL)
     for name in ARCHITECTURES:
