@@ -107,10 +107,10 @@ def settings(model: type[BaseModel] = AppConfig, prefix: str = "") -> Iterator[S
 
 def up_flags() -> dict[str, str]:
     """Setting key -> the `dllm-serve up` flag that sets it."""
-    from cluster.cli import _UP_SHORTCUTS, REPLICA_DEST, build_parser
+    from cluster.cli import _UP_SHORTCUTS, REPLICA_DEST, register
 
-    parser = build_parser()
-    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    commands = argparse.ArgumentParser().add_subparsers()
+    register(commands, benches=None, client_only=False)
     up = commands.choices["up"]
     flags = {}
     for action in up._actions:
