@@ -11,7 +11,8 @@ cluster serving the URL (the Ray workers that the raylet of the process listenin
 URL's port started, by their titles: engine and ingress replicas, proxy, controller, metrics
 actor) is read from /proc. The report: each one's resident memory after the first minute
 (the warm state) and at the end, their ratio, the highest, and the requests by kind and
-outcome. After
+outcome, and each one's growth over the second half of the run (MiB an hour); a run of 10
+minutes or more names the processes that grow (``GROWTH_PER_HOUR``) and exits with 1. After
 the load, the cluster must come to rest within a minute (``AT_REST``, read from --metrics-url):
 no request running or waiting, no step debt, no page held (the prefix cache's references at
 zero) and no admission charge; what it still holds is reported, and the exit status is 1.
@@ -44,6 +45,11 @@ SETTLE_S = 60.0  # how long the cluster may take to come to rest after the load
 # before any token) or answered in time
 DEADLINE_S = 0.5
 WARM_S = 60.0  # the first minute: start-up allocations, caches and the allocator's pools settle
+# A process grows when, over the second half of a run of at least JUDGED_AFTER_S, its resident
+# memory rises faster than GROWTH_PER_HOUR of its size an hour (least squares). Bounded caches
+# (the metrics actor's calibration log) fill in the first minutes; a leak keeps its slope.
+JUDGED_AFTER_S = 600.0
+GROWTH_PER_HOUR = 0.05
 
 
 def cluster_processes(port: int, proc: Path = Path("/proc")) -> dict[int, str]:
@@ -174,9 +180,11 @@ async def settled(http: httpx.AsyncClient, metrics_url: str) -> dict:
 def memory_report(samples: list[tuple[float, dict[int, int | None]]], roles: dict[int, str],
                   outcomes: dict[str, dict[str, int]], duration_s: float) -> dict:
     """Per process ("role pid"): its resident memory after the first minute, at the end,
-    their ratio, the highest, and at the end of each minute (levelling off, or a leak's line)."""
+    their ratio, the highest, at the end of each minute (levelling off, or a leak's line) and
+    its growth over the second half (MiB an hour); ``growing``: the processes that grow, in a
+    run of ``JUDGED_AFTER_S`` or more."""
     mib = float(1 << 20)
-    processes = {}
+    processes, growing = {}, []
     for pid, role in roles.items():
         series = [(t, rss[pid]) for t, rss in samples if rss.get(pid)]
         warm = [rss for t, rss in series if t >= min(WARM_S, duration_s / 2)]
@@ -186,7 +194,23 @@ def memory_report(samples: list[tuple[float, dict[int, int | None]]], roles: dic
         processes[f"{role} {pid}"] = {"after_first_minute_mib": round(warm[0] / mib, 1), "end_mib": round(warm[-1] / mib, 1),
                               "max_mib": round(max(warm) / mib, 1), "end_over_first_minute": round(warm[-1] / warm[0], 4),
                               "by_minute_mib": [round(rss / mib, 1) for _, rss in sorted(minutes.items())]}
-    return {"duration_s": duration_s, "samples": len(samples), "processes": processes, "requests": outcomes}
+        late = [(t, rss) for t, rss in series if t >= duration_s / 2]
+        per_hour = _slope(late) * 3600
+        processes[f"{role} {pid}"]["second_half_growth_mib_per_hour"] = round(per_hour / mib, 1)
+        if duration_s >= JUDGED_AFTER_S and per_hour > GROWTH_PER_HOUR * warm[-1]:
+            growing.append(f"{role} {pid}")
+    return {"duration_s": duration_s, "samples": len(samples), "processes": processes, "growing": growing,
+            "requests": outcomes}
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of ``points`` (0 for fewer than two)."""
+    if len(points) < 2:
+        return 0.0
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    return sum((t - mean_t) * (y - mean_y) for t, y in points) / spread if spread else 0.0
 
 
 def add_bench_soak_parser(targets) -> None:
@@ -194,8 +218,8 @@ def add_bench_soak_parser(targets) -> None:
         "soak", help="a local cluster's processes' resident memory under a long mixed load, and nothing held after it",
         description=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example: dllm-serve bench soak --url http://127.0.0.1:8000 --duration 600\n"
-               "exit status: 0; 1 when the cluster holds requests, pages or admission charges a minute after the "
-               "load; 2 on bad input, an unreachable endpoint or no local cluster on the URL's port.")
+               "exit status: 0; 1 when a process's memory grows (runs of 10 minutes or more) or the cluster "
+               "holds requests, pages or admission charges a minute after the load; 2 on bad input, an unreachable endpoint or no local cluster on the URL's port.")
     add_endpoint_options(parser)
     parser.add_argument("--duration", type=positive_number(float), default=600.0, metavar="S",
                         help="seconds of load (default 600)")
@@ -216,4 +240,5 @@ def _run(args) -> int:
     except httpx.HTTPError as exc:
         raise LoadgenError(f"{args.url}: {exc}") from None
     print(json.dumps(report, indent=2))
-    return 0 if report["at_rest"] is None or report["at_rest"]["clean"] else 1
+    at_rest = report["at_rest"] is None or report["at_rest"]["clean"]
+    return 0 if at_rest and not report["growing"] else 1

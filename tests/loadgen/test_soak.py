@@ -35,3 +35,14 @@ def test_memory_report_compares_the_end_with_the_first_minute():
     assert replica["after_first_minute_mib"] == 106.0 and replica["end_mib"] == 157.0
     assert replica["end_over_first_minute"] == round(157 / 106, 4) and report["samples"] == 20
     assert replica["by_minute_mib"] == [103.0 + 6 * minute for minute in range(10)]  # the last reading of each
+    assert replica["second_half_growth_mib_per_hour"] == 360.0 and report["growing"] == ["engine 7"]
+
+
+def test_a_cache_that_fills_then_stays_is_not_growth_and_short_runs_are_not_judged():
+    mib = 1 << 20
+    samples = [(t, {7: (100 + min(t, 240) / 10) * mib, 8: (200 + t / 10) * mib}) for t in range(0, 900, 10)]
+    report = memory_report(samples, {7: "metrics", 8: "ingress"}, {}, 900)
+    assert report["processes"]["metrics 7"]["second_half_growth_mib_per_hour"] == 0.0
+    assert report["growing"] == ["ingress 8"]  # 360 MiB an hour against 5 % of 290 MiB
+    short = memory_report([(t, rss) for t, rss in samples if t < 300], {7: "metrics", 8: "ingress"}, {}, 300)
+    assert short["growing"] == [] and short["processes"]["ingress 8"]["second_half_growth_mib_per_hour"] == 360.0
