@@ -3,8 +3,8 @@
 The cluster wraps this class with ``serve.deployment``; nothing here knows about the
 ingress. Requests arrive tokenized, validated and costed, as a ``GenerateRequest`` (the
 engine request, which the engine takes as it comes); every committed block goes back as
-one ``GenerateChunk`` of a streaming generator (both in ``replicas.messages``). Statistics are pushed to the metrics actor (looked up by name)
-every ``stats_period_s``.
+one ``GenerateChunk`` of a streaming generator (both in ``replicas.messages``).
+Statistics are pushed to the metrics actor (looked up by name) every ``stats_period_s``.
 """
 
 from __future__ import annotations

@@ -205,6 +205,9 @@ def test_ingress_builds_the_request_the_replica_takes(ingress, replica):
     assert (params.algorithm, params.algorithm_params) == resolve_algorithm(
         ingress.config.replica, ingress.spec, None, {"threshold": 0.5})
     assert request.cost == replica.worst_case_cost(request.prompt_ids, params)
+    made = replica.engine.make_request(request)  # taken as it comes: not unpacked and rebuilt
+    assert (made.request_id, made.params) == (request.request_id, request.params)
+    assert made.prompt_ids is request.prompt_ids
     sampled = ingress.preprocess.prepare(CompletionRequest(model="tiny", prompt="1.3.", temperature=0.5), "1.3.").params
     seed = sampled.algorithm_params["seed"]  # drawn for the request, so that a failover draws the same
     assert isinstance(seed, int) and 0 <= seed < 2 ** 63
