@@ -75,6 +75,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from cluster.config import AdmissionSettings, SLOSettings
+from cluster.errors import APIError
 from replicas.cost_model import DrainModel, mean_steps
 from replicas.limits import request_cost, steps_quantile
 from replicas.reports import MIN_STALE_S, ReplicaView
@@ -95,6 +96,22 @@ class Decision:
     retry_after_s: int = 0
     charge: "Charge | None" = None  # an admission's charge, to release as the request progresses
     predicted_s: float | None = None  # the prediction before its ``correction``, where one was made
+
+
+class Refusals:
+    """Admission's refusals turned into the API's 429, counted by reason for the metrics actor."""
+
+    def __init__(self):
+        self.counts: Counter[str] = Counter()
+
+    def raise_if_refused(self, decision: Decision | None) -> None:
+        """429 with Retry-After where ``decision`` refuses; nothing otherwise."""
+        if decision is None or decision.admitted:
+            return
+        self.counts["step_capacity"] += 1
+        raise APIError(429, f"the cluster is at its step capacity; retry in {decision.retry_after_s} s",
+                       type_="rate_limit_error", code="step_capacity_exceeded",
+                       headers={"Retry-After": str(decision.retry_after_s)})
 
 
 class AdmissionController:

@@ -9,20 +9,23 @@ resolution, the body's validation and the exception handlers: about 0.5 ms of CP
 refusal on the project's 2-core VM, as much again as a plain uvicorn takes to answer, and
 0.3-0.4 ms a served request (docs/request-path.md). This pure-ASGI middleware asks the
 ingress of this process (``serve_for``, called by the Ingress when it starts: one per
-replica process) and sends its answers itself. It reads a small body to check it and
-hands the route the same messages; the route does not check the headers again. FastAPI
+replica process) and sends its answers itself. It reads a small body and parses it once,
+to check it and to hand it to the route as parsed JSON (a body it cannot parse as the
+route's validation would, the route reads from the same messages); the route does not
+check the headers again. FastAPI
 still declares the routes (the OpenAPI schema, and a process whose middleware has no
 ingress), and answers every other path.
 """
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from cluster.errors import APIError
+from cluster.preprocess import parsed_json
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -42,9 +45,19 @@ class CompletionRoutes(Protocol):
         """Raise the APIError a request with this body (parsed JSON, not validated) gets
         before it is validated."""
 
-    async def answer(self, scope: Scope, receive: Receive, send: Send, key: object) -> None:
+    async def answer(self, scope: Scope, receive: Receive, send: Send, key: object,
+                     body: "PeekedBody | None" = None) -> None:
         """The completion route's answer to the request (every error as its envelope), its
-        headers checked already (``key``: what ``check_before_body`` returned)."""
+        headers checked already (``key``: what ``check_before_body`` returned; ``body``:
+        the body read and parsed here, None where the route reads it from ``receive``)."""
+
+
+@dataclass(frozen=True)
+class PeekedBody:
+    """A small body read here: its bytes, and the JSON object parsed of them."""
+
+    raw: bytes
+    parsed: dict
 
 
 _ingress: CompletionRoutes | None = None  # the ingress of this process
@@ -70,16 +83,20 @@ class CompletionPath:
                 and scope["path"] in COMPLETION_PATHS:
             headers = _headers(scope)
             read: list[dict] = []
+            body: PeekedBody | None = None
             try:
                 key = ingress.check_before_body(headers)
                 if _small_body(headers):
                     read, body = await _peek(receive)
                     if body is not None:
-                        ingress.check_body(body, scope["path"] == CHAT_PATH)
+                        ingress.check_body(body.parsed, scope["path"] == CHAT_PATH)
             except APIError as refusal:
                 await refusal.response()(scope, receive, send)
                 return
-            await ingress.answer(scope, _replaying(read, receive), send, key)
+            if body is not None:  # read and parsed: the route takes it as it is
+                await ingress.answer(scope, receive, send, key, body)
+            else:
+                await ingress.answer(scope, _replaying(read, receive), send, key)
             return
         await self.app(scope, receive, send)
 
@@ -90,9 +107,10 @@ def _small_body(headers: Mapping[str, str]) -> bool:
     return length is None or (length.isdigit() and int(length) <= PEEK_BODY_BYTES)
 
 
-async def _peek(receive: Receive) -> tuple[list[dict], object]:
-    """The messages read from ``receive`` (to hand on), and the body they hold as parsed
-    JSON, or None: not JSON, over ``PEEK_BODY_BYTES``, or cut by the client leaving."""
+async def _peek(receive: Receive) -> tuple[list[dict], PeekedBody | None]:
+    """The messages read from ``receive`` (to hand on), and the body they hold, or None:
+    not a JSON object as the route reads it (``preprocess.parsed_json``), over
+    ``PEEK_BODY_BYTES``, or cut by the client leaving."""
     read, size = [], 0
     while True:
         message = await receive()
@@ -102,10 +120,9 @@ async def _peek(receive: Receive) -> tuple[list[dict], object]:
             return read, None
         if not message.get("more_body", False):
             break
-    try:
-        return read, json.loads(b"".join(m.get("body", b"") for m in read))
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep: the route says so
-        return read, None
+    raw = b"".join(m.get("body", b"") for m in read)
+    parsed = parsed_json(raw)
+    return read, None if parsed is None else PeekedBody(raw, parsed)
 
 
 def _replaying(read: list[dict], receive: Receive) -> Receive:

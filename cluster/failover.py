@@ -29,7 +29,7 @@ from ray.exceptions import RayError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from cluster.router import avoid
-from replicas.limits import aligned_head, blocks_needed
+from replicas.limits import blocks_needed
 from replicas.messages import GenerateChunk, GenerateRequest, SamplingParams
 from replicas.request import FinishReason
 
@@ -62,17 +62,14 @@ class Failover:
     """
 
     def __init__(self, generate: Callable[[GenerateRequest], AsyncIterator[GenerateChunk]],
-                 max_attempts: int, backoff_s: float, block_length: int, aligned: bool = False,
+                 max_attempts: int, backoff_s: float, block_length: int,
                  on_failover: Callable[[], None] = lambda: None,
                  healthy_elsewhere: Callable[[set[str]], bool] = lambda failed: True, healthy_wait_s: float = 0.0,
                  held_text: Callable[[SamplingParams, list[int]], str] = lambda params, ids: ""):
-        """``aligned``: blocks aligned to the sequence's start (the first answer block also
-        holds the prompt's end)."""
         self.generate = generate
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
         self.block_length = block_length
-        self.aligned = aligned
         self.on_failover = on_failover
         self.healthy_elsewhere = healthy_elsewhere
         self.healthy_wait_s = healthy_wait_s
@@ -165,9 +162,8 @@ class Failover:
         cost = job.cost
         if cost is not None and committed:
             block = self.block_length
-            head = aligned_head(len(job.prompt_ids), block, self.aligned)
-            total = blocks_needed(head + params.max_tokens, block)
-            cost = math.ceil(cost * (total - (head + len(committed)) // block) / total)
+            total = blocks_needed(job.head + params.max_tokens, block)  # the blocks ``cost`` counted
+            cost = math.ceil(cost * (total - (job.head + len(committed)) // block) / total)
         return dataclasses.replace(job, request_id=f"{job.request_id}.{attempt}", cost=cost,
                                    params=dataclasses.replace(params, resume_ids=tuple(committed), timeout_s=timeout))
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import torch
 
 from replicas.engine import Engine
-from replicas.messages import GenerateChunk, SamplingParams
+from replicas.messages import GenerateChunk, GenerateRequest, SamplingParams
 from replicas.stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -83,11 +83,13 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=5)
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    async def generate(self, request: GenerateRequest | str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None, whole: bool = False,
                        on_progress: Callable[[int, int], None] | None = None) -> AsyncIterator[GenerateChunk]:
         """Yield one chunk per committed block; the last one has ``finished=True``.
 
+        ``request``: the engine request, taken as it comes, or a prompt with ``params`` and
+        ``request_id`` (``Engine.make_request``).
         ``whole``: yield one chunk, the whole answer (as ``messages.joined`` makes of the
         blocks' chunks): the caller's event loop is woken once, not once a block (each
         wake-up is a thread switch and a loop turn), and decodes its text where the engine
@@ -97,6 +99,7 @@ class AsyncEngine:
 
         Raises ``RequestError`` before yielding anything if the request is invalid.
         """
+        params = request.params if isinstance(request, GenerateRequest) else params
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[GenerateChunk] = asyncio.Queue()
 
@@ -106,7 +109,7 @@ class AsyncEngine:
             except RuntimeError:  # the caller's loop is gone (e.g. the abort after a disconnect)
                 pass
 
-        request_id = self.engine.add_request(prompt, params, request_id, on_output=deliver, whole=whole,
+        request_id = self.engine.add_request(request, params, request_id, on_output=deliver, whole=whole,
                                              on_progress=on_progress)
         self._wake.set()
         finished = False

@@ -1,10 +1,10 @@
 """The body of the Ray Serve replica deployment: one engine per replica.
 
 The cluster wraps this class with ``serve.deployment``; nothing here knows about the
-ingress. Requests arrive tokenized and validated, as a ``GenerateRequest``; every
-committed block goes back as one ``GenerateChunk`` of a streaming generator (both in
-``replicas.messages``). Statistics are pushed to the metrics actor (looked up by name)
-every ``stats_period_s``.
+ingress. Requests arrive tokenized, validated and costed, as a ``GenerateRequest`` (the
+engine request, which the engine takes as it comes); every committed block goes back as
+one ``GenerateChunk`` of a streaming generator (both in ``replicas.messages``).
+Statistics are pushed to the metrics actor (looked up by name) every ``stats_period_s``.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ class EngineReplica:
         try:
             params, level = self._quality_for(request.params)
             cost = request.cost if request.cost is not None else self.worst_case_cost(request.prompt_ids, params)
-            stream = self.async_engine.generate(request.prompt_ids, params, request_id, whole=whole,
-                                                on_progress=progressed if whole else None)
+            job = request if params is request.params else replace(request, params=params)
+            stream = self.async_engine.generate(job, whole=whole, on_progress=progressed if whole else None)
         except RequestError as exc:
             yield GenerateChunk.refusal(str(exc))
             return

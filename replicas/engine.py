@@ -33,8 +33,8 @@ from replicas.kv_cache import PagePool
 from replicas.logprobs import record_step
 from replicas.models import load_model, load_tokenizer
 from replicas.memory import allocate_pool, plan_pool
-from replicas.messages import (INFILL_NEEDS, GenerateChunk, RequestError, SamplingParams, request_problem,
-                               resume_problem, text_at_end)
+from replicas.messages import (INFILL_NEEDS, GenerateChunk, GenerateRequest, RequestError, SamplingParams,
+                               request_problem, resume_problem, text_at_end)
 from replicas.output import BlockCommit, OutputProcessor
 from replicas.prefix_cache import PrefixCache
 from replicas.scheduled_batch import ScheduledBatch
@@ -150,32 +150,37 @@ class Engine:
         except AlgorithmError as exc:
             raise RequestError(str(exc)) from exc
 
-    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def make_request(self, request: GenerateRequest | str | Sequence[int], params: SamplingParams | None = None,
                      request_id: str | None = None,
                      on_output: Callable[[GenerateChunk], None] | None = None, whole: bool = False,
                      on_progress: Callable[[int, int], None] | None = None) -> Request:
-        """Validate and build a request (raises RequestError); does not enqueue it. ``whole``:
-        ``on_output`` sees one chunk, the whole answer (as ``messages.joined`` makes of the
-        streamed chunks; without stop strings, without its text: the receiver decodes it with
-        ``with_answer_text``), and
-        ``on_progress(steps, tokens)`` sees each block committed before, in the engine's
-        thread (it must be quick and must not raise)."""
-        params = params or SamplingParams()
-        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        problem = request_problem(prompt_ids, params.max_tokens, self.spec, self.shape.max_model_len, self.pool.capacity,
-                                  params.suffix_ids)
+        """The engine's ``Request`` of ``request`` (raises RequestError); does not enqueue it.
+        ``request``: the engine request as the ingress made it, taken as it comes; or, asked
+        directly of the engine (offline use, benches, tests), a prompt (text or ids) with
+        ``params`` and ``request_id``, whose suffix and resumed ids are checked here as the
+        ingress's preprocess and failover make theirs. Either way its ids and size are
+        checked against the model and this replica's pool (``messages.request_problem``,
+        cheap): an id outside the vocabulary would fault the device, a mask id would be
+        denoised, and its pages must fit.
+        ``whole``: ``on_output`` sees one chunk, the whole answer (as ``messages.joined``
+        makes of the streamed chunks; without stop strings, without its text: the receiver
+        decodes it with ``with_answer_text``), and ``on_progress(steps, tokens)`` sees each
+        block committed before, in the engine's thread (it must be quick and must not raise)."""
+        direct = not isinstance(request, GenerateRequest)
+        if direct:
+            prompt_ids = self.encode(request) if isinstance(request, str) else list(request)
+            request = GenerateRequest(request_id or f"req-{next(self._ids)}", prompt_ids, params or SamplingParams())
+        params = request.params
+        problem = request_problem(request.prompt_ids, params.max_tokens, self.spec, self.shape.max_model_len,
+                                  self.pool.capacity, params.suffix_ids)
         if problem:
             raise RequestError(problem.message)
-        if params.suffix_ids and self.shape.canvas != "full":
-            raise RequestError(INFILL_NEEDS)
-        resume_error = resume_problem(params.resume_ids, params.max_tokens, self.spec,
-                                      len(prompt_ids) if self.shape.aligned else 0)
-        if resume_error:
-            raise RequestError(resume_error)
+        if direct:
+            self._check_continuation(request)
         algorithm, algorithm_params = self.algorithm_for(params)
-        request = Request(
-            request_id=request_id or f"req-{next(self._ids)}",
-            prompt_ids=prompt_ids,
+        return Request(
+            request_id=request.request_id,
+            prompt_ids=request.prompt_ids,
             params=params,
             algorithm=algorithm,
             algorithm_params=algorithm_params,
@@ -189,7 +194,17 @@ class Engine:
             detokenizer=None if text_at_end(params, whole) else self.outputs.detokenizer(params),
             block_logprobs=None if params.logprobs is None else [None] * self.block_length,
         )
-        return request
+
+    def _check_continuation(self, request: GenerateRequest) -> None:
+        """Raise RequestError where the engine cannot go on from the request's resumed ids or
+        fill in before its suffix."""
+        params = request.params
+        if params.suffix_ids and self.shape.canvas != "full":
+            raise RequestError(INFILL_NEEDS)
+        resume_error = resume_problem(params.resume_ids, params.max_tokens, self.spec,
+                                      len(request.prompt_ids) if self.shape.aligned else 0)
+        if resume_error:
+            raise RequestError(resume_error)
 
     def with_answer_text(self, chunk: GenerateChunk, params: SamplingParams | None) -> GenerateChunk:
         """``chunk``, the one chunk of a whole answer asked with ``params``, with its text
@@ -200,14 +215,15 @@ class Engine:
             chunk.text = self.outputs.answer_text(params, chunk.token_ids)
         return chunk
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def add_request(self, request: GenerateRequest | str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None,
                     on_output: Callable[[GenerateChunk], None] | None = None, whole: bool = False,
                     on_progress: Callable[[int, int], None] | None = None) -> str:
-        request = self.make_request(prompt, params, request_id, on_output, whole, on_progress)
+        """Enqueue ``request`` (as ``make_request`` takes it) for the next step; its id."""
+        made = self.make_request(request, params, request_id, on_output, whole, on_progress)
         with self._inbox_lock:
-            self._inbox.append(request)
-        return request.request_id
+            self._inbox.append(made)
+        return made.request_id
 
     def abort(self, request_id: str) -> None:
         with self._inbox_lock:

@@ -1,8 +1,9 @@
-"""What the ingress and a replica send each other, and the checks both apply (no torch).
+"""What the ingress and a replica send each other, and the checks of a request (no torch).
 
-The ingress sends one ``GenerateRequest`` (tokenized and validated, with the engine's own
-``SamplingParams``); the replica answers with a stream of ``GenerateChunk``, one per
-committed block, the last one ``finished``.
+The ingress sends one ``GenerateRequest``, the engine request: tokenized, validated and
+costed once by the ingress's preprocess (``cluster.preprocess``), with the engine's own
+``SamplingParams``; the engine takes it as it comes (``Engine.submit``). The replica
+answers with a stream of ``GenerateChunk``, one per committed block, the last one ``finished``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerateRequest:
+    """The engine request: one prompt, tokenized and checked against the model and the
+    serving shape (``request_problem``), with what admission charged for it."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -62,6 +66,9 @@ class GenerateRequest:
     # ``prefix_cache.page_hashes`` of the prompt where the replicas cache prefixes: the
     # router prefers the replica that was sent the longest of them
     prefix_hashes: tuple[int, ...] = ()
+    # prompt tokens in the first answer block (blocks aligned to the sequence's start), as
+    # ``cost`` counted them: a resumed attempt's cost is what is left of those blocks
+    head: int = 0
 
 
 @dataclass(slots=True)  # made per committed block; not frozen: a frozen init costs 4x

@@ -5,13 +5,15 @@ code, called below FastAPI; other paths reach FastAPI."""
 
 import asyncio
 import json
+import types
 
 import pytest
 
-from cluster import completion_path
+from cluster import completion_path, preprocess
 from cluster.auth import API_KEYS_ENV
 from cluster.http_tally import TALLY
 from cluster.ingress import app
+from cluster.protocol import CompletionRequest
 from test_ingress_path import answer, completion, make_ingress, over_capacity
 
 
@@ -56,7 +58,7 @@ def test_a_request_over_capacity_gets_the_routes_429_without_its_body_read(path)
     status, headers, body, reads = call("POST", path, JSON, BODY)
     assert status == 429 and int(headers["retry-after"]) >= 1 and reads == 0
     assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "step_capacity_exceeded"
-    assert ingress.rejected["step_capacity"] == 1 and ingress.tokenizer.calls == 0
+    assert ingress.refusals.counts["step_capacity"] == 1 and ingress.tokenizer.calls == 0
     assert TALLY.responses["429"] == refused_before + 1  # the HTTP tally, outside, counted the early answer
     assert ingress.ingress_report()["responses"]["429"] == TALLY.responses["429"]  # and the report carries it
 
@@ -72,7 +74,7 @@ def test_key_draining_and_size_are_answered_first_in_the_routes_order(monkeypatc
     ingress.draining = True
     status, headers, body, _ = call("POST", "/v1/completions", {**JSON, **key}, BODY)
     assert (status, body["error"]["code"], headers["retry-after"]) == (503, "server_draining", "1")
-    assert not ingress.rejected  # only admission's refusals are counted as such
+    assert not ingress.refusals.counts  # only admission's refusals are counted as such
 
 
 def test_other_paths_reach_fastapi_and_completions_are_served_below_it():
@@ -110,7 +112,7 @@ def test_a_body_whose_output_bound_cannot_fit_is_refused_below_the_app(body):
     ingress = near_capacity()
     status, headers, answer, reads = send_body(body)
     assert status == 429 and answer["error"]["code"] == "step_capacity_exceeded" and int(headers["retry-after"]) >= 1
-    assert reads == 1 and ingress.rejected["step_capacity"] == 1 and ingress.tokenizer.calls == 0
+    assert reads == 1 and ingress.refusals.counts["step_capacity"] == 1 and ingress.tokenizer.calls == 0
 
 
 def test_a_chat_body_counts_one_prompt():
@@ -145,7 +147,25 @@ def test_the_middleware_answers_as_the_route_does(body):
     ingress = near_capacity()
     status, _, got, _ = send_body(body)
     assert (status, got.get("error")) == (expected.status_code, json.loads(expected.body).get("error"))
-    assert ingress.rejected == routed.rejected and len(ingress.sent) == len(routed.sent)
+    assert ingress.refusals.counts == routed.refusals.counts and len(ingress.sent) == len(routed.sent)
+
+
+@pytest.mark.parametrize("body, parses, status", [
+    (completion(), 1, 200), (completion(max_tokens="16"), 1, 200),
+    ({**completion(), "n": "two"}, 2, 400),  # its error as the bytes give it
+    ({**completion(), "prompt": "\ud800"}, 1, 400)])  # a lone surrogate: left to the route, which refuses it
+def test_a_small_body_is_parsed_once_unless_it_is_refused(monkeypatch, body, parses, status):
+    """The JSON the middleware parsed to check the body is what preprocess validates: a
+    valid body is not parsed again; an invalid one is, for its error as the route gives it."""
+    make_ingress()
+    parsed = []
+    validate_json = CompletionRequest.model_validate_json.__func__
+    monkeypatch.setattr(preprocess, "json", types.SimpleNamespace(
+        loads=lambda *args, **kwargs: parsed.append(1) or json.loads(*args, **kwargs)))
+    monkeypatch.setattr(CompletionRequest, "model_validate_json", classmethod(
+        lambda cls, *args, **kwargs: parsed.append(1) or validate_json(cls, *args, **kwargs)))
+    answered, _, _, _ = send_body(json.dumps(body).encode())
+    assert (answered, len(parsed)) == (status, parses)
 
 
 def near_capacity_route():
@@ -155,8 +175,9 @@ def near_capacity_route():
 
 
 def test_the_route_gets_the_body_the_middleware_read(monkeypatch):
-    """Behind the middleware, the route reads the same messages: a body in pieces, then the
-    client's own next message (its leaving); a large body, unread or read in part, whole."""
+    """Behind the middleware, the route gets a small body as read and parsed there (once),
+    then the client's own next message (its leaving); a large body, unread or read in part,
+    whole from the same messages; a small body that is not JSON, from the same messages."""
     got = []
 
     class Routes:
@@ -166,16 +187,18 @@ def test_the_route_gets_the_body_the_middleware_read(monkeypatch):
         def check_body(self, body, chat):
             pass
 
-        async def answer(self, scope, receive, send, key):
-            got.append([await receive() for _ in range(3)])
+        async def answer(self, scope, receive, send, key, body=None):
+            got.append((body, [await receive() for _ in range(1 if body else 3)]))
     monkeypatch.setattr(completion_path, "_ingress", Routes())
 
     pieces = [b'{"model": "tiny", ', b'"prompt": "1.3.", "max_tokens": 16}']
     large = json.dumps({**completion(), "prompt": "1" * completion_path.PEEK_BODY_BYTES}).encode()
     halves = [large[:len(large) // 2], large[len(large) // 2:]]  # chunked, over the peek's bound
+    broken = [b'{"model": ', b'"tiny"']
     for body, headers in [(pieces, [(b"content-type", b"application/json")]),
                           ([large], [(b"content-length", str(len(large)).encode())]),
-                          (halves, [(b"content-type", b"application/json")])]:
+                          (halves, [(b"content-type", b"application/json")]),
+                          (broken, [(b"content-type", b"application/json")])]:
         queue = [{"type": "http.request", "body": p, "more_body": i < len(body) - 1} for i, p in enumerate(body)]
         queue.append({"type": "http.disconnect"})
         queue.append({"type": "http.disconnect"})
@@ -184,6 +207,9 @@ def test_the_route_gets_the_body_the_middleware_read(monkeypatch):
             return queue.pop(0)
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
         asyncio.run(completion_path.CompletionPath(None)(scope, receive, None))
-    assert [m.get("body") for m in got[0]] == pieces + [None] and got[0][2]["type"] == "http.disconnect"
-    assert got[1][0]["body"] == large and got[1][1]["type"] == "http.disconnect"
-    assert [m.get("body") for m in got[2]] == halves + [None]
+    peeked, messages = got[0]
+    assert peeked.raw == b"".join(pieces) and peeked.parsed == json.loads(b"".join(pieces))
+    assert [m["type"] for m in messages] == ["http.disconnect"]
+    assert got[1][0] is None and got[1][1][0]["body"] == large and got[1][1][1]["type"] == "http.disconnect"
+    assert got[2][0] is None and [m.get("body") for m in got[2][1]] == halves + [None]
+    assert got[3][0] is None and [m.get("body") for m in got[3][1]] == broken + [None]

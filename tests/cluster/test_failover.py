@@ -160,10 +160,10 @@ def test_an_aligned_continuation_sent_without_a_cost_is_served():
         prompt = replica.engine.encode("12.4..7.9")  # 9 tokens: the first answer block holds 7 answer ids
         params = SamplingParams(96, ignore_eos=True, algorithm_params={"temperature": 1.0, "seed": 3})
         job = GenerateRequest("a", prompt, params)
-        whole = collect(Failover(replica.generate, 1, 0.0, 16, aligned=True), job)
+        whole = collect(Failover(replica.generate, 1, 0.0, 16), job)
         committed = [t for c in whole[:2] for t in c.token_ids]
         assert len(committed) == 7 + 16
-        rest = collect(Failover(replica.generate, 1, 0.0, 16, aligned=True),
+        rest = collect(Failover(replica.generate, 1, 0.0, 16),
                        GenerateRequest("b", prompt, replace(params, resume_ids=tuple(committed))))
         assert not rest[0].error, rest[0].error
         assert committed + [t for c in rest for t in c.token_ids] == [t for c in whole for t in c.token_ids]
@@ -174,7 +174,7 @@ def test_an_aligned_continuation_sent_without_a_cost_is_served():
 @pytest.mark.parametrize("aligned, committed, blocks", [(False, 32, 6), (True, 7 + 16, 7)])
 def test_a_continuation_is_charged_the_blocks_left(aligned, committed, blocks):
     """Prompt of 9 tokens, 96 answer tokens, blocks of 16: unaligned 6 blocks; aligned 7 (the
-    first holds the prompt's end and 7 answer ids). Either way 2 are done."""
-    job = GenerateRequest("r", [1] * 9, SamplingParams(96), cost=700.0)
-    resumed = Failover(None, 2, 0.0, 16, aligned=aligned)._resumed(job, [5] * committed, 0.0, 2)
+    first holds the prompt's end, the job's ``head`` of 9, and 7 answer ids). Either way 2 are done."""
+    job = GenerateRequest("r", [1] * 9, SamplingParams(96), cost=700.0, head=9 if aligned else 0)
+    resumed = Failover(None, 2, 0.0, 16)._resumed(job, [5] * committed, 0.0, 2)
     assert resumed.cost == -(-700 * (blocks - 2) // blocks)

@@ -28,7 +28,7 @@ def test_an_infills_usage_counts_its_suffix(llada):
     plain, instance = llada
     body = {"model": instance.config.model_name, "prompt": PROMPT, "suffix": SUFFIX, "max_tokens": 32,
             "ignore_eos": True}
-    expected = len(instance.encode(PROMPT, True)) + len(instance.encode(SUFFIX, True))
+    expected = len(instance.preprocess.encode(PROMPT, True)) + len(instance.preprocess.encode(SUFFIX, True))
 
     async def both():
         whole = await answer(plain, instance, body)

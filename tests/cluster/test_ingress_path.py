@@ -14,7 +14,8 @@ from starlette.requests import Request
 from cluster.auth import API_KEYS_ENV
 from cluster.config import load_config
 from cluster.errors import APIError
-from cluster.ingress import INLINE_PREPARE_CHARS, app
+from cluster.ingress import app
+from cluster.preprocess import INLINE_PREPARE_CHARS
 from replica_stand_in import Replicas
 
 PROMPT = "1.3. ..2. 4... .1.4 "
@@ -57,13 +58,14 @@ def make_ingress(**settings):
     """An Ingress of the tiny model built outside Serve, with a counting tokenizer."""
     from cluster.ingress import Ingress
 
-    plain = next(c for c in Ingress.__mro__ if "_prepare" in vars(c))  # under serve.ingress's wrapper
+    plain = next(c for c in Ingress.__mro__ if "_complete" in vars(c))  # under serve.ingress's wrapper
     replicas = Replicas()
     handle = types.SimpleNamespace(options=lambda **_: replicas)
     instance = plain.__new__(plain)
     plain.__init__(instance, handle, load_config(overrides=settings).model_dump(mode="json"))
-    instance.tokenizer = CountingTokenizer(instance.tokenizer, instance.encode)
-    instance.encode = instance.tokenizer.encode
+    preprocess = instance.preprocess
+    instance.tokenizer = preprocess.tokenizer = CountingTokenizer(preprocess.tokenizer, preprocess.encode)
+    preprocess.encode = instance.tokenizer.encode
     instance._metrics = MetricsActor()  # never ray.get_actor, which would start Ray
     instance.sent = replicas.jobs  # what reached the replicas
     return plain, instance
@@ -119,7 +121,7 @@ def test_over_capacity_refuses_before_reading_parsing_or_tokenizing():
     assert refused.value.status == 429 and int(refused.value.headers["Retry-After"]) >= 1
     assert refused.value.body()["error"]["type"] == "rate_limit_error"
     assert body.reads == 0 and ingress.tokenizer.calls == 0
-    assert ingress.rejected["step_capacity"] == 1 and ingress.admitted == 0
+    assert ingress.refusals.counts["step_capacity"] == 1 and ingress.dispatch.admitted == 0
 
 
 def test_auth_comes_before_admission_and_the_body(monkeypatch):
@@ -129,7 +131,7 @@ def test_auth_comes_before_admission_and_the_body(monkeypatch):
     req, body = request(completion())
     with pytest.raises(APIError) as refused:
         asyncio.run(plain.completions(ingress, req))
-    assert refused.value.status == 401 and body.reads == 0 and not ingress.rejected
+    assert refused.value.status == 401 and body.reads == 0 and not ingress.refusals.counts
 
 
 @pytest.mark.parametrize("content_length", [True, False], ids=["declared", "streamed"])
@@ -206,7 +208,7 @@ def test_long_prompts_are_tokenized_off_the_event_loop_short_ones_on_it():
     assert [a.status_code for a in answers] == [200, 200, 400, 400], [a.body for a in answers]
     threads = ingress.tokenizer.threads  # completion: tokenizer; chat: template, then tokenizer
     assert ingress.tokenizer.calls == 4 and threads[:3] == [loop_thread] * 3 and loop_thread not in threads[3:]
-    assert ingress.admitted == 2 and ingress.admission.outstanding == 0
+    assert ingress.dispatch.admitted == 2 and ingress.admission.outstanding == 0
 
 
 def test_decisions_reach_the_metrics_actor_batched_once_per_period():

@@ -119,7 +119,7 @@ def ingress_over(generate, **settings):
     whose metrics actor never answers (its calls time out: nothing else changes)."""
     from cluster.ingress import Ingress
 
-    plain = next(c for c in Ingress.__mro__ if "_prepare" in vars(c))  # under serve.ingress's wrapper
+    plain = next(c for c in Ingress.__mro__ if "_complete" in vars(c))  # under serve.ingress's wrapper
     handle = types.SimpleNamespace(options=lambda **_: handle_over(generate))
     instance = plain.__new__(plain)
     plain.__init__(instance, handle, load_config(overrides=settings).model_dump(mode="json"))
@@ -209,15 +209,15 @@ def test_the_chat_and_prompt_limits_come_from_the_settings():
 
 def test_admission_cost_is_capped_at_what_one_replica_row_holds(ingress):
     _, instance = ingress
-    block, max_len = instance.spec.block_length, instance.shape.max_model_len
+    block, max_len = instance.spec.block_length, instance.preprocess.shape.max_model_len
     cap = max_request_cost(max_len, block)
     assert cap == (max_len // block - 1) * (block + 1)
     body = protocol.CompletionRequest(model="tiny", prompt="1", max_tokens=max_len - block, algorithm="joint_threshold",
                                       algorithm_params={"max_post_edit_steps": MAX_POST_EDIT_STEPS})
-    job = instance._prepare(body, "1")
+    job = instance.preprocess.prepare(body, "1")
     worst = block + MAX_POST_EDIT_STEPS + 1
     assert request_cost(job.params.max_tokens, block, worst) > cap and job.cost == cap
-    small = instance._prepare(protocol.CompletionRequest(model="tiny", prompt="1", max_tokens=16), "1")
+    small = instance.preprocess.prepare(protocol.CompletionRequest(model="tiny", prompt="1", max_tokens=16), "1")
     assert small.cost == block  # one block at the worst case (fused commit: L fills), under the cap
 
 
@@ -226,7 +226,7 @@ def test_aligned_blocks_are_charged_for_the_prompts_end_in_the_first_block():
     span two blocks of 16 (the first holds the prompt's 3): two blocks' worst case."""
     _, instance = make_ingress(**{"replica.block_alignment": "prompt"})
     body = protocol.CompletionRequest(model="tiny", prompt="1.3", max_tokens=16)
-    assert instance._prepare(body, "1.3").cost == 2 * instance.spec.block_length
+    assert instance.preprocess.prepare(body, "1.3").cost == 2 * instance.spec.block_length
 
 
 # ---- internal failures: generic to the client, detailed in the log ---------------------------

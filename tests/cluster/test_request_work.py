@@ -9,7 +9,7 @@ import pytest
 
 from replicas.deployment import EngineReplica
 from replicas.settings import EngineConfig
-from cluster.ingress import MAX_CHARS_PER_TOKEN
+from cluster.preprocess import MAX_CHARS_PER_TOKEN
 from test_ingress_path import PROMPT, answer, make_ingress as counting_ingress
 from test_input_bounds import completion, ingress_over, make_ingress
 
@@ -59,7 +59,7 @@ def test_a_prompt_past_what_the_context_holds_is_refused_untokenized():
     """More characters than ``max_model_len`` tokens hold at ``MAX_CHARS_PER_TOKEN`` each:
     400 ``context_length_exceeded`` with neither the chat template nor the tokenizer run."""
     plain, instance = counting_ingress()
-    limit = instance.max_model_len * MAX_CHARS_PER_TOKEN
+    limit = instance.preprocess.max_model_len * MAX_CHARS_PER_TOKEN
     over = [(completion(prompt="1" * (limit + 1)), "/v1/completions", "prompt"),
             (completion(prompt=[PROMPT, "1" * (limit + 1)], max_tokens=16), "/v1/completions", "prompt"),
             ({"model": "tiny", "max_tokens": 16, "messages": [{"role": "user", "content": "1" * (limit // 2 + 1)}] * 2},

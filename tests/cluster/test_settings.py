@@ -129,7 +129,7 @@ def replica():
 def ingress():
     from cluster.ingress import Ingress
 
-    plain = next(c for c in Ingress.__mro__ if "_prepare" in vars(c))  # under serve.ingress's wrapper
+    plain = next(c for c in Ingress.__mro__ if "_complete" in vars(c))  # under serve.ingress's wrapper
     handle = types.SimpleNamespace(options=lambda **_: None)
     instance = plain.__new__(plain)
     plain.__init__(instance, handle, load_config().model_dump(mode="json"))
@@ -189,7 +189,7 @@ def test_ingress_and_engine_refuse_a_prompt_with_the_same_message(ingress, repli
 
     body = CompletionRequest(model="tiny", prompt=prompt, max_tokens=max_tokens)
     with pytest.raises(APIError) as at_ingress:
-        ingress._prepare(body, prompt)
+        ingress.preprocess.prepare(body, prompt)
     with pytest.raises(RequestError) as at_engine:
         replica.engine.make_request(prompt, SamplingParams(max_tokens=max_tokens))
     assert at_ingress.value.body()["error"]["message"] == str(at_engine.value)
@@ -199,14 +199,17 @@ def test_ingress_builds_the_request_the_replica_takes(ingress, replica):
     from cluster.protocol import CompletionRequest
 
     body = CompletionRequest(model="tiny", prompt="1.3.", max_tokens=32, threshold=0.5, stop=["x"])
-    request = ingress._prepare(body, body.prompt)
+    request = ingress.preprocess.prepare(body, body.prompt)
     assert isinstance(request, GenerateRequest) and request.params.stop == ("x",)
-    assert ingress._prepare(CompletionRequest(model="tiny", prompt="1.3."), "1.3.").params.stop == ()
+    assert ingress.preprocess.prepare(CompletionRequest(model="tiny", prompt="1.3."), "1.3.").params.stop == ()
     params = request.params  # greedy: no seed, nothing drawn
     assert (params.algorithm, params.algorithm_params) == resolve_algorithm(
         ingress.config.replica, ingress.spec, None, {"threshold": 0.5})
     assert request.cost == replica.worst_case_cost(request.prompt_ids, params)
-    sampled = ingress._prepare(CompletionRequest(model="tiny", prompt="1.3.", temperature=0.5), "1.3.").params
+    made = replica.engine.make_request(request)  # taken as it comes: not unpacked and rebuilt
+    assert (made.request_id, made.params) == (request.request_id, request.params)
+    assert made.prompt_ids is request.prompt_ids
+    sampled = ingress.preprocess.prepare(CompletionRequest(model="tiny", prompt="1.3.", temperature=0.5), "1.3.").params
     seed = sampled.algorithm_params["seed"]  # drawn for the request, so that a failover draws the same
     assert isinstance(seed, int) and 0 <= seed < 2 ** 63
 

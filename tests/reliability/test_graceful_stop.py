@@ -31,7 +31,7 @@ class _MetricsActor:
 def _ingress():
     from cluster.ingress import Ingress
 
-    plain = next(c for c in Ingress.__mro__ if "_prepare" in vars(c))  # under serve.ingress's wrapper
+    plain = next(c for c in Ingress.__mro__ if "_complete" in vars(c))  # under serve.ingress's wrapper
     instance = plain.__new__(plain)
     config = load_config(overrides={"stats_period_s": 0.05}).model_dump(mode="json")
     plain.__init__(instance, types.SimpleNamespace(options=lambda **_: Replicas()), config)
@@ -76,7 +76,7 @@ def test_the_ingress_refuses_with_503_once_the_metrics_actor_says_drain():
     refused = asyncio.run(scenario())
     assert refused.status == 503 and refused.headers["Retry-After"] == "1"
     assert refused.body()["error"]["type"] == "server_error" and refused.body()["error"]["code"] == "server_draining"
-    assert ingress.draining and ingress.in_flight == 0 and ingress.admitted == 1
+    assert ingress.draining and ingress.in_flight == 0 and ingress.dispatch.admitted == 1
     assert _progress(exporter.drain()) == {"ingresses": 1, "stopped": 1, "in_flight": 0, "outstanding": 0.0}
 
 
