@@ -156,7 +156,7 @@ def up_config(args):
     return load_config(args.config, overrides)
 
 
-# a 4x4 Sudoku on the tiny model's canvas (see README); any text works for other models
+# a 4x4 Sudoku on the tiny model's canvas (docs/models.md); any text works for other models
 _EXAMPLE_PROMPT = "1.3. ..2. 4... .1.4 " + " ".join(["----"] * 24)
 
 

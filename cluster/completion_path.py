@@ -7,7 +7,7 @@ deadline). A request that passes is answered by the ingress's route code all the
 called from here. Through FastAPI, each went first through its routing, parameter
 resolution, the body's validation and the exception handlers: about 0.5 ms of CPU a
 refusal on the project's 2-core VM, as much again as a plain uvicorn takes to answer, and
-0.3-0.4 ms a served request (docs/request-path.md). This pure-ASGI middleware asks the
+0.3-0.4 ms a served request (docs/architecture.md). This pure-ASGI middleware asks the
 ingress of this process (``serve_for``, called by the Ingress when it starts: one per
 replica process) and sends its answers itself. It reads a small body and parses it once,
 to check it and to hand it to the route as parsed JSON (a body it cannot parse as the

@@ -8,7 +8,7 @@ scales the replicas, and routes each request on to an engine replica through its
 
 Why: on the project's 2-core VM, Serve's per-request HTTP handling in a direct-ingress
 replica (its ASGI wrapper, request context, metrics) cost 1.2-1.5 ms of the ingress's CPU
-per request on top of uvicorn's and the app's, and HAProxy 0.3-0.4 ms more (docs/request-path.md).
+per request on top of uvicorn's and the app's, and HAProxy 0.3-0.4 ms more (docs/architecture.md).
 """
 
 from __future__ import annotations

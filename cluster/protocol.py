@@ -4,7 +4,7 @@ Unknown fields are ignored (OpenAI clients send many, as OpenAI's servers do); e
 OpenAI defines that this server cannot honour is refused (400, naming it) unless it has its
 neutral value (``UNHONOURED``): a client that asks for JSON or tools gets an error, not free text.
 
-Every field is bounded (README "Request bounds"): the shape of a request here, with
+Every field is bounded (docs/api.md "Request bounds"): the shape of a request here, with
 constant limits and the ingress's settings (``RequestLimits``, passed as the validation
 context: prompt characters and chat messages); the sampling values by the algorithms'
 ``validate`` (``algorithms``: temperature, top_k, seed, steps, ...); ``max_tokens`` and
