@@ -36,11 +36,13 @@ class Dispatch:
 
     def __init__(self, replicas, settings: FailoverSettings, block_length: int, admission: AdmissionController,
                  refusals: Refusals, sent_prefixes: PrefixMemory, ingress_id: str,
-                 held_text: Callable[[SamplingParams, list[int]], str]):
-        # Ray actor calls on every request path (``request_path.GRPC_ENV``: over Serve's gRPC
-        # transport this process kept native memory per request)
-        self.replicas = replicas.options(stream=True, _by_reference=True)
-        self.replicas_unary = replicas.options(stream=False, _by_reference=True)
+                 held_text: Callable[[SamplingParams, list[int]], str], by_reference: bool):
+        # by_reference: Serve's gRPC between deployments where the throughput options are on
+        # (their default). Over gRPC this process keeps native memory per request
+        # (``request_path.GRPC_ENV``); by reference a whole answer's client leaving does not
+        # abort it on the replica (tests/cluster/test_serving.py): an open trade-off
+        self.replicas = replicas.options(stream=True, _by_reference=by_reference)
+        self.replicas_unary = replicas.options(stream=False, _by_reference=by_reference)
         self.admission = admission
         self.refusals = refusals
         self.sent_prefixes = sent_prefixes
