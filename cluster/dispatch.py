@@ -4,9 +4,13 @@ Admission charges the request's exact cost (``try_admit``, or 429); each prompt'
 choices go out as engine requests of their own (``cluster.choices``), each resumed on
 another replica if its replica fails (``cluster.failover``), and their chunks come back
 merged, each with its choice's index. A streamed request reads the replica's stream, one
-chunk per committed block; a non-streamed one is one unary call
-(``EngineReplica.generate_unary``), answered once. The charge is released as steps are
-taken and in full at the end.
+chunk per committed block; a non-streamed one a stream of one chunk, the whole answer
+(``EngineReplica.generate_whole``). The charge is released as steps are taken and in full
+at the end.
+
+The replicas are called by reference (Ray actor calls), not over Serve's gRPC transport
+between deployments: over gRPC this process kept ~1.2 KB of native memory per request
+(``request_path.GRPC_ENV``).
 """
 
 from __future__ import annotations
@@ -36,13 +40,8 @@ class Dispatch:
 
     def __init__(self, replicas, settings: FailoverSettings, block_length: int, admission: AdmissionController,
                  refusals: Refusals, sent_prefixes: PrefixMemory, ingress_id: str,
-                 held_text: Callable[[SamplingParams, list[int]], str], by_reference: bool):
-        # by_reference: Serve's gRPC between deployments where the throughput options are on
-        # (their default). Over gRPC this process keeps native memory per request
-        # (``request_path.GRPC_ENV``); by reference a whole answer's client leaving does not
-        # abort it on the replica (tests/cluster/test_serving.py): an open trade-off
-        self.replicas = replicas.options(stream=True, _by_reference=by_reference)
-        self.replicas_unary = replicas.options(stream=False, _by_reference=by_reference)
+                 held_text: Callable[[SamplingParams, list[int]], str]):
+        self.replicas = replicas.options(stream=True, _by_reference=True)
         self.admission = admission
         self.refusals = refusals
         self.sent_prefixes = sent_prefixes
@@ -54,7 +53,7 @@ class Dispatch:
                         on_failover=self._count_failover, healthy_elsewhere=self._healthy_elsewhere,
                         healthy_wait_s=settings.healthy_wait_s, held_text=held_text)
         self.failover = Failover(lambda job: self.replicas.generate.remote(job), **failover)
-        self.failover_unary = Failover(self._unary, **failover)
+        self.failover_whole = Failover(lambda job: self.replicas.generate_whole.remote(job), **failover)
 
     @contextmanager
     def counted(self) -> Iterator[None]:
@@ -75,13 +74,9 @@ class Dispatch:
         self.admitted += 1
         for job in completion.jobs:
             self.sent_prefixes.record(job.prefix_hashes, self.ingress_id)
-        failover = self.failover if body.stream else self.failover_unary
+        failover = self.failover if body.stream else self.failover_whole
         return self._charged([row for job in completion.jobs for row in rows(job, body.n)], failover,
                              decision.charge, slot)
-
-    async def _unary(self, job: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """The whole answer of ``job`` from one unary replica call, as a one-chunk stream."""
-        yield await self.replicas_unary.generate_unary.remote(job)
 
     async def _charged(self, jobs: list[GenerateRequest], failover: Failover, charge: Charge,
                        slot: KeySlot) -> AsyncIterator[tuple[int, GenerateChunk]]:

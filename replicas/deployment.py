@@ -140,12 +140,14 @@ class EngineReplica:
         algorithm, _ = resolve_algorithm(self.engine.config, self.engine.spec, params.algorithm)  # checked by the engine
         return self.quality.apply(params, algorithm)
 
-    async def generate_unary(self, request: GenerateRequest) -> GenerateChunk:
-        """The whole answer of a tokenized request as one chunk (``messages.joined``), for
-        a caller that does not stream: one reply instead of a stream message per block, and
-        this replica's event loop woken once for it instead of once a block."""
-        [answer] = [chunk async for chunk in self._answer(request, whole=True)]
-        return answer
+    async def generate_whole(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """The whole answer of a tokenized request as a stream of one chunk
+        (``messages.joined``), for a caller that does not stream: one message instead of one
+        a block, and this replica's event loop woken once for it instead of once a block. A
+        stream, not a unary call, so that the caller cancelling it (its client left) aborts
+        the request here over Serve's actor-call transport too."""
+        async for chunk in self._answer(request, whole=True):
+            yield chunk
 
     # ---- Serve hooks -------------------------------------------------------------------
     async def record_routing_stats(self) -> dict:

@@ -6,13 +6,13 @@ from replicas.messages import GenerateChunk, joined
 
 
 def handle_over(generate) -> types.SimpleNamespace:
-    """A replica handle whose streaming ``generate`` is ``generate(job)`` and whose unary
-    ``generate_unary`` joins its chunks, as ``EngineReplica.generate_unary`` does."""
-    async def unary(job):
-        return joined([chunk async for chunk in generate(job)])
+    """A replica handle whose streaming ``generate`` is ``generate(job)`` and whose
+    ``generate_whole`` streams its chunks joined, as ``EngineReplica.generate_whole`` does."""
+    async def whole(job):
+        yield joined([chunk async for chunk in generate(job)])
 
     return types.SimpleNamespace(generate=types.SimpleNamespace(remote=generate),
-                                 generate_unary=types.SimpleNamespace(remote=unary))
+                                 generate_whole=types.SimpleNamespace(remote=whole))
 
 
 class Replicas:
@@ -20,7 +20,7 @@ class Replicas:
 
     def __init__(self):
         handle = handle_over(self._generate)
-        self.generate, self.generate_unary = handle.generate, handle.generate_unary
+        self.generate, self.generate_whole = handle.generate, handle.generate_whole
         self.jobs = []  # every request sent, in order
 
     async def _generate(self, job):

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from cluster.request_path import (DIRECT_INGRESS_ENV, FALLBACK_PORT_ENVS, HAPROXY_ENV, HAPROXY_STATS_PORT_ENV,
+from cluster.request_path import (DIRECT_INGRESS_ENV, FALLBACK_PORT_ENVS, GRPC_ENV, HAPROXY_ENV, HAPROXY_STATS_PORT_ENV,
                                   LOG_TO_STDERR_ENV, OWN_HTTP_ENV, THROUGHPUT_ENV, LocalRequestPath, on_kubernetes,
                                   serve_environment)
 
@@ -31,6 +31,12 @@ def test_two_local_clusters_share_no_port():
 def test_every_path_keeps_the_replicas_stderr(path):
     """The throughput bundle would send it into a log buffer flushed every 1,000 records."""
     assert serve_environment(path)[LOG_TO_STDERR_ENV] == "1"
+
+
+@pytest.mark.parametrize("path", ["ingress", "haproxy", "throughput", "proxy"])
+def test_every_path_calls_between_deployments_by_actor_calls(path):
+    """Over Serve's gRPC transport the ingress process kept native memory per request."""
+    assert serve_environment(path)[GRPC_ENV] == "0"
 
 
 def test_the_kubernetes_render_keeps_serves_ports():
