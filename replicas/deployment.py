@@ -207,12 +207,6 @@ class EngineReplica:
         if last is None or last.error:
             raise RuntimeError(f"a probe request failed: {last.error if last else 'no output'}")
 
-    def inject_faults(self, steps: int) -> str:
-        """Test hook (reached through a Serve handle, never over HTTP): make the next
-        ``steps`` engine steps fail outside the forward (-1: all). Returns this replica's id."""
-        self.engine.inject_faults(steps)
-        return self.replica_id
-
     async def stats(self) -> dict:
         """Routing stats plus engine totals, for `dllm-serve status` and tests."""
         totals = self.engine.totals

@@ -1,8 +1,9 @@
-"""The replica engine: schedule, run, denoise, commit, once per step.
+"""The replica engine: schedule, execute, update, stream, once per step.
 
-The scheduler owns request state (``replicas.scheduler``); the engine runs the forward and
-the algorithms, computes what each done block commits (``replicas.output.BlockCommit``),
-hands the step's outcome to the scheduler to apply, and streams one ``GenerateChunk``
+Each step passes values along (``replicas.step``): the scheduler's ``ScheduledStep``, the
+executor's ``StepOutput`` (the forward, the algorithms, one device read:
+``replicas.executor``), and the commits the scheduler applied (``update_from_output``, the
+one place that changes request state). The engine streams one ``GenerateChunk``
 (``replicas.messages``) per committed block and at the end.
 
 ``Engine`` is synchronous and single-threaded in its step loop; ``add_request`` and
@@ -22,22 +23,19 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
 from replicas.cost_model import OnlineCostModel
-from replicas.devices import to_device
 from replicas.attention import resolve_backend
 from replicas.kv_cache import PagePool
-from replicas.logprobs import record_step
 from replicas.models import load_model, load_tokenizer
 from replicas.memory import allocate_pool, plan_pool
 from replicas.messages import (INFILL_NEEDS, GenerateChunk, GenerateRequest, RequestError, SamplingParams,
                                request_problem, resume_problem, text_at_end)
-from replicas.output import BlockCommit, OutputProcessor
+from replicas.executor import ForwardFailed, StepExecutor
+from replicas.output import OutputProcessor
 from replicas.prefix_cache import PrefixCache
-from replicas.scheduled_batch import ScheduledBatch
 from replicas.batching import SchedulerMode
 from replicas.request import FinishReason, Request
 from replicas.rows import RowTable
@@ -45,6 +43,7 @@ from replicas.runner import ModelRunner, refreshes_rows
 from replicas.scheduler import Scheduler
 from replicas.settings import EngineConfig, ServingShape, resolve_algorithm
 from replicas.stats import EngineTotals, StepStats
+from replicas.step import Committed, ScheduledStep, StepOutput
 from replicas.text_encoding import text_encoder
 
 log = logging.getLogger(__name__)
@@ -53,10 +52,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 WARM_UP_SWEEPS = 3  # ``Engine.warm_up``: its step measurements keep the fastest of this many
 ALGORITHM_CHOICES_KEPT = 64  # ``Engine.algorithm_for``: distinct (algorithm, parameters) choices kept validated
 KEPT_VALUE_TYPES = frozenset({int, float, str, bool, type(None)})  # parameter values such a choice may hold
-
-
-class InjectedFault(RuntimeError):
-    """Raised by a step when a test asked for it (``Engine.inject_faults``)."""
 
 
 def torch_dtype(config: EngineConfig) -> torch.dtype:
@@ -101,12 +96,13 @@ class Engine:
         kv_cache = allocate_pool(spec, self.memory, dtype, device)
         self.runner = ModelRunner(self.model, self.rows, kv_cache, device, config.kv_cache,
                                   config.attention_backend, shape.canvas)
+        self.executor = StepExecutor(self.runner, self.rows, spec.mask_token_id, config.fused_commit)
         self.cost_model = OnlineCostModel(config.max_batch, clock=clock)
-        self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.rows, config.max_batch,
+        self.outputs = OutputProcessor(tokenizer, spec.end_token_ids)
+        self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.rows, self.outputs, config.max_batch,
                                    shape.token_budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,
                                    fdfo_hold=self.cost_model.fdfo_hold if config.fdfo_fill_hold else (lambda rows: 0.0),
                                    clock=clock, full_canvas=shape.canvas == "full")
-        self.outputs = OutputProcessor(tokenizer, spec.end_token_ids)
         self.totals = EngineTotals()
         self._requests: dict[str, Request] = {}
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, arrival order, request id)
@@ -115,7 +111,6 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()  # breaks deadline ties in the heap
         self.failed_steps_in_a_row = 0
-        self._faults_to_inject = 0
         self._kept_algorithm = functools.lru_cache(maxsize=ALGORITHM_CHOICES_KEPT)(self._resolve_algorithm)
 
     @classmethod
@@ -244,11 +239,6 @@ class Engine:
         return self.cost_model.fill_timeout()
 
     # ---- the step loop -------------------------------------------------------------
-    def inject_faults(self, steps: int) -> None:
-        """Test hook: the next ``steps`` steps that run a batch raise after scheduling it
-        (outside the forward); ``steps=-1``: every step; 0: none."""
-        self._faults_to_inject = steps
-
     def step(self) -> StepStats | None:
         """One step. A failure outside the forward and the algorithms fails the step's rows
         as a replica fault (their callers may resume them elsewhere) and is counted in
@@ -259,130 +249,79 @@ class Engine:
         ``generate`` and the async engine's thread do: entering it costs ~20 us a step on
         a CPU host right after a forward."""
         if torch.is_inference_mode_enabled():
-            return self._guarded_step()
+            return self._step()
         with torch.inference_mode():
-            return self._guarded_step()
+            return self._step()
 
-    def _guarded_step(self) -> StepStats | None:
+    def _step(self) -> StepStats | None:
+        """Requests in and out, schedule -> execute -> update, the commits streamed."""
         start, cpu_start = time.perf_counter(), time.thread_time()
         self._drain_inbox()
         self._expire()
+        step = None
         try:
-            stats = self._step(start, cpu_start)
+            step = self.scheduler.schedule()
+            if step is None:
+                return None
+            output = self.executor.execute(step)
+            for request, error in output.failed:
+                self._fail(request, error)
+            commits = self.scheduler.update_from_output(step, output)
+            for committed in commits:
+                self._stream(committed)
         except Exception as exc:
+            self._fail_step(step, exc)
+            return None
+        self.failed_steps_in_a_row = 0
+        return self._record(step, output, commits, start, cpu_start)
+
+    def _fail_step(self, step: ScheduledStep | None, exc: Exception) -> None:
+        """Fail the requests of a step that raised (all running ones where it failed before
+        it was scheduled) as a replica fault; a failed forward is not a failed step."""
+        concerned = step.requests if step is not None else list(self.scheduler.running)
+        if isinstance(exc, ForwardFailed):  # a broken forward fails its rows, never the engine
+            log.exception("forward failed; failing %d requests", len(concerned))
+            self.failed_steps_in_a_row, error = 0, str(exc)
+        else:
             self.failed_steps_in_a_row += 1
             log.exception("engine step failed (%d in a row)", self.failed_steps_in_a_row)
-            concerned = self.scheduler.scheduled or list(self.scheduler.running)
-            for request in [r for r in concerned if r.finish_reason is None]:
-                self._fail(request, f"the replica's engine step failed: {type(exc).__name__}: {exc}",
-                           replica_fault=True)
-            return None
-        finally:
-            self.scheduler.end_step()
-        self.failed_steps_in_a_row = 0
-        return stats
+            error = f"the replica's engine step failed: {type(exc).__name__}: {exc}"
+        for request in [r for r in concerned if r.finish_reason is None]:
+            self._fail(request, error, replica_fault=True)
 
-    def _step(self, start: float, cpu_start: float) -> StepStats | None:
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return None
-        if self._faults_to_inject:
-            self._faults_to_inject -= self._faults_to_inject > 0
-            raise InjectedFault("a fault injected by inject_faults")
-        # the stepped blocks as the forward sees them, read on the host before it (6 against
-        # 49 us after it, where the first host work pays for the caches the forward evicted)
-        fed = self.rows.blocks(*batch.stepped_blocks)
-        # fed with masks: final KV still to write. (No numpy reduction such as ``any`` runs
-        # between two forwards: each forward evicts that code, and bringing it back cost a
-        # step ~25 us on a CPU host; see docs/benchmarks.md, eighteenth session.)
-        kv_stale = [self.spec.mask_token_id in block for block in fed.tolist()]
-        forward_cpu = time.thread_time()
-        try:
-            logits, forward_timer = self.runner.forward(batch)
-            forward_cpu = time.thread_time() - forward_cpu
-        except Exception as exc:  # a broken forward fails its rows, never the engine
-            log.exception("forward failed; failing %d requests", batch.num_rows)
-            for request in self.scheduler.scheduled:
-                self._fail(request, f"model forward failed: {exc}", replica_fault=True)
-            return None
-        committed = self._denoise_and_commit(batch, logits, fed, kv_stale)
+    def _stream(self, committed: Committed) -> None:
+        """Count a committed block and stream it (a request it ends leaves the engine)."""
+        request, commit = committed.request, committed.commit
+        self.totals.output_tokens += len(commit.token_ids)
+        if request.finish_reason is not None:
+            self.totals.requests_finished += 1
+            self.cost_model.observe_finished(len(request.committed_block_steps))
+            self._requests.pop(request.request_id, None)
+        self._emit(request, commit.token_ids, commit.text, commit.logprobs)
+
+    def _record(self, step: ScheduledStep, output: StepOutput, commits: list[Committed], start: float,
+                cpu_start: float) -> StepStats:
+        """The step's statistics, into the totals and the cost model."""
+        batch = step.batch
+        block_steps = tuple(committed.request.committed_block_steps[-1] for committed in commits)
         stats = StepStats(
             batch_size=batch.num_rows,
-            active_rows=len(self.scheduler.stepped),
+            active_rows=len(step.stepped),
             num_tokens=batch.num_tokens,
-            forward_s=forward_timer.seconds(),
+            forward_s=output.forward_s,
             step_s=time.perf_counter() - start,
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
-            blocks_committed=len(committed),
-            block_steps=tuple(committed),
+            blocks_committed=len(block_steps),
+            block_steps=block_steps,
             prefix_units=batch.prefix_units,
             prompt_pages=batch.prompt_pages,
-            forward_cpu_s=forward_cpu,
+            forward_cpu_s=output.forward_cpu_s,
             step_cpu_s=time.thread_time() - cpu_start,
         )
         self.totals.record(stats)
         self.cost_model.observe_step(stats.batch_size, stats.step_s, stats.block_steps, stats.prompt_pages)
         return stats
-
-    def _denoise_and_commit(self, batch: ScheduledBatch, logits: torch.Tensor, fed: np.ndarray,
-                            kv_stale: list[bool]) -> list[int]:
-        """Advance the stepped blocks (``fed``: as the forward saw them, on the host;
-        ``kv_stale``: which had masks) with their algorithms, commit the done ones, hand the
-        outcome to the scheduler and stream it; return the committed blocks' step counts."""
-        requests = self.scheduler.stepped
-        if not requests:  # prompt chunks only
-            self.scheduler.update_from_step([])
-            return []
-        if len(requests) < batch.advances.size:  # idle rows (sync, static) computed but not advanced
-            logits = logits[to_device(torch.from_numpy(batch.advances), logits.device)]
-        rows, page_indices = batch.stepped_blocks
-        mask_id = self.spec.mask_token_id
-        fed_unmasked = [not stale for stale in kv_stale]
-        blocks = to_device(torch.from_numpy(fed), logits.device)  # may share ``fed``'s memory: read above
-        asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        before = blocks[asking] if asking else None  # a copy (indexed by a list)
-        done = self._run_algorithms(requests, logits, blocks, fed_unmasked)
-        if asking:
-            self._record_logprobs([requests[i] for i in asking], logits[asking], before, blocks[asking])
-        # one read of the blocks' tokens (and done flags): on a GPU, the step's one wait
-        if done is None:
-            block_ids, done = blocks.tolist(), fed_unmasked
-        else:
-            read = torch.cat([blocks, done[:, None]], 1).tolist()
-            block_ids, done = [row[:-1] for row in read], [row[-1] for row in read]
-        # on the host the step wrote ``fed`` itself (``blocks`` shares it): no lists to convert
-        self.rows.write_blocks(rows, page_indices, fed if blocks.device.type == "cpu" else block_ids)
-        if self.config.fused_commit:  # a filled block of a rule that never edits is final now
-            done = [is_done or (mask_id not in ids and request.algorithm.final_when_filled
-                                and request.finish_reason is None)
-                    for is_done, ids, request in zip(done, block_ids, requests)]
-        commits = [self._commit(request, ids) if is_done else None
-                   for request, ids, is_done in zip(requests, block_ids, done)]
-        self.scheduler.update_from_step(commits, kv_stale=kv_stale, block_ids=block_ids)
-        committed = []
-        for request, commit in zip(requests, commits):
-            if commit is None:
-                continue
-            committed.append(request.steps_in_block)
-            self.totals.output_tokens += len(commit.token_ids)
-            if request.finish_reason is not None:
-                self.totals.requests_finished += 1
-                self.cost_model.observe_finished(len(request.committed_block_steps))
-                self._requests.pop(request.request_id, None)
-            self._emit(request, commit.token_ids, commit.text, commit.logprobs)
-        return committed
-
-    def _commit(self, request: Request, block_ids: list[int]) -> BlockCommit:
-        """What the request's done block commits, with its log-probabilities if it asked."""
-        offset = request.answer_offset
-        logprobs = None if request.block_logprobs is None else request.block_logprobs[offset:]
-        return self.outputs.commit_block(request, block_ids[offset:], logprobs)
-
-    def _record_logprobs(self, requests: list[Request], logits: torch.Tensor, before: torch.Tensor,
-                         after: torch.Tensor) -> None:
-        record_step([r.block_logprobs for r in requests], [r.params.logprobs for r in requests], logits,
-                    before, after, self.spec.mask_token_id)
 
     def _emit(self, request: Request, token_ids: list[int] = (), text: str = "", logprobs=None,
               error: str | None = None, error_kind: str | None = None) -> None:
@@ -409,44 +348,6 @@ class Engine:
             steps=request.num_steps, block_steps=list(request.committed_block_steps), replica=self.name,
             engine_s=self.clock() - request.arrival_time,
             logprobs=None if request.params.logprobs is None else list(logprobs or ())))
-
-    def _run_algorithms(self, requests: list[Request], logits: torch.Tensor, blocks: torch.Tensor,
-                        fed_unmasked: list[bool]) -> torch.Tensor | None:
-        """One algorithm step per block, in place; [R] bool: the block is done, or None where
-        that is ``fed_unmasked`` (see ``DllmAlgorithm.step``). A failing algorithm fails its
-        requests (their blocks stay not done)."""
-        groups = self._group_by_algorithm(requests)
-        if len(groups) == 1:  # the common case: the whole batch, no gather or scatter
-            [algorithm] = groups
-            return self._step_algorithm(algorithm, requests, logits, blocks)
-        done = torch.tensor(fed_unmasked, device=logits.device)
-        for algorithm, members in groups.items():
-            index = to_device(torch.tensor(members), logits.device)
-            sub_blocks = blocks[index]
-            sub_done = self._step_algorithm(algorithm, [requests[i] for i in members], logits[index], sub_blocks)
-            if sub_done is not None:
-                done[index] = sub_done
-            blocks[index] = sub_blocks
-        return done
-
-    def _step_algorithm(self, algorithm: DllmAlgorithm, requests: list[Request], logits: torch.Tensor,
-                        blocks: torch.Tensor) -> torch.Tensor | None:
-        """``algorithm``'s step over its rows; a failure fails them (none done)."""
-        try:
-            return algorithm.step(logits, blocks, self.spec.mask_token_id, [r.algorithm_params for r in requests],
-                                  [r.algorithm_state for r in requests])
-        except Exception as exc:
-            log.exception("algorithm %s failed", algorithm.name)
-            for request in requests:
-                self._fail(request, f"algorithm {algorithm.name} failed: {exc}")
-            return torch.zeros(len(requests), dtype=torch.bool, device=blocks.device)
-
-    @staticmethod
-    def _group_by_algorithm(rows: list[Request]) -> dict:
-        groups: dict = {}
-        for i, request in enumerate(rows):
-            groups.setdefault(request.algorithm, []).append(i)
-        return groups
 
     def _drain_inbox(self) -> None:
         """Apply queued adds and aborts in order; one that fails is logged (a failed add

@@ -28,10 +28,10 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def record_step(block_logprobs: list[list[TokenLogprob | None]], top_k: list[int], logits: torch.Tensor,
-                before: torch.Tensor, after: torch.Tensor, mask_id: int) -> None:
-    """After a denoise step of some rows: for each position whose token the step wrote
-    (``before`` != ``after``, not a mask), set ``block_logprobs[row][position]``.
+def step_logprobs(top_k: list[int], logits: torch.Tensor, before: torch.Tensor, after: torch.Tensor,
+                  mask_id: int) -> list[list[tuple[int, TokenLogprob]]]:
+    """After a denoise step of some rows: for each row, the positions whose token the step
+    wrote (``before`` != ``after``, not a mask) with that token's ``TokenLogprob``.
 
     ``logits`` [R, L, V] of the step, ``before`` / ``after`` [R, L] the blocks around it,
     ``top_k[row]``: alternatives that row asked for."""
@@ -39,8 +39,9 @@ def record_step(block_logprobs: list[list[TokenLogprob | None]], top_k: list[int
 
     written = (before != after) & (after != mask_id)
     rows, positions = written.nonzero(as_tuple=True)
+    found: list[list[tuple[int, TokenLogprob]]] = [[] for _ in top_k]
     if len(rows) == 0:
-        return
+        return found
     log_probs = torch.log_softmax(logits[rows, positions].float(), dim=-1)
     chosen = log_probs.gather(-1, after[rows, positions].unsqueeze(-1)).squeeze(-1).tolist()
     most = max(top_k[r] for r in rows.tolist())
@@ -48,4 +49,5 @@ def record_step(block_logprobs: list[list[TokenLogprob | None]], top_k: list[int
     for i, (row, position) in enumerate(zip(rows.tolist(), positions.tolist())):
         k = top_k[row]
         top = tuple(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())) if k else ()
-        block_logprobs[row][position] = TokenLogprob(chosen[i], top)
+        found[row].append((position, TokenLogprob(chosen[i], top)))
+    return found

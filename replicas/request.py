@@ -26,7 +26,8 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """A request in the engine; ``finish_reason`` set is the one record of "finished"."""
+    """A request in the engine. Its ``status`` says where it stands: its ``phase`` while it
+    runs, ``Phase.FINISHED`` once ``finish_reason`` (the one record of its end) is set."""
 
     request_id: str
     prompt_ids: list[int]
@@ -47,7 +48,7 @@ class Request:
 
     # where the request stands and what it produced: changed by the scheduler only
     # (replicas.scheduler), which applies each committed block (``replicas.output.BlockCommit``)
-    phase: Phase = Phase.WAITING
+    phase: Phase = Phase.WAITING  # while it runs (never FINISHED: ``status`` says that)
     row: int = -1
     # its pages (``replicas.kv_cache``); ``allocation.shared``: how many of its first pages
     # are the prefix cache's (found there at admission, or computed here and cached since)
@@ -60,12 +61,12 @@ class Request:
     unwritten_page: int | None = None  # page index of a committed block whose final KV is not cached yet
     unwritten_ids: tuple[int, ...] | None = None  # that block's ids, which key its page in the prefix cache
     num_steps: int = 0
-    algorithm_state: Any = None
+    algorithm_state: Any = None  # the algorithm's own, for the active block: its step advances it, nothing else reads it
     output_ids: list[int] = field(default_factory=list)  # starts as ``params.resume_ids``
     # its text so far: advanced by the output processor as blocks commit (None where the
     # receiver decodes the text, ``text_at_end``)
     detokenizer: Detokenizer | None = None
-    # the active block's, when asked: filled in place by each step (``replicas.logprobs``)
+    # the active block's, when asked: each step's written positions (``replicas.logprobs``)
     block_logprobs: list[TokenLogprob | None] | None = None
     # a whole answer's text and log-probabilities of its committed blocks, for its one chunk
     answer_text: list[str] = field(default_factory=list)
@@ -122,6 +123,11 @@ class Request:
             self.prefix_keys = tuple(pages(prompt, self.prompt_pages) + pages(resume_ids, self.resumed_blocks))
             self.first_block_index = self.resumed_blocks
             self.blocks_to_denoise = self.max_blocks - self.resumed_blocks
+
+    @property
+    def status(self) -> Phase:
+        """``phase``, or ``Phase.FINISHED`` once it has ended."""
+        return self.phase if self.finish_reason is None else Phase.FINISHED
 
     @property
     def answer_offset(self) -> int:

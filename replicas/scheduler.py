@@ -2,10 +2,11 @@
 
 The batching rule is a policy object (``replicas.batching``: fdfo, or a research
 baseline); the scheduler applies it to live requests, rows and pages. Request state
-changes only here: ``schedule()`` ends rounds, admits requests and builds the step's
-batch; ``update_from_step()`` books the step's outcome (steps taken, blocks done and
-their commits applied to the outputs, requests finished); ``finish()`` ends a request
-early (abort, deadline, failure) and frees what it holds.
+changes only here: ``schedule()`` ends rounds, admits requests and returns the step
+(``replicas.step.ScheduledStep``); ``update_from_output()`` applies what executing it
+computed (steps taken, log-probabilities, blocks done and committed into the outputs,
+requests finished) and returns the commits to stream; ``finish()`` ends a request early
+(abort, deadline, failure) and frees what it holds.
 
 Pages: admission reserves a request's worst case (prompt pages + max blocks); pages are
 taken from the reservation one block at a time and all returned on release. With a
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
@@ -36,14 +37,15 @@ from replicas.scheduled_batch import ScheduledBatch
 from replicas.batching import Phase, RowAction, SchedulerMode, batching_policy
 from replicas.kv_cache import PageAllocation, PagePool
 from replicas.prefix_cache import CachedRun
-from replicas.output import BlockCommit
+from replicas.output import BlockCommit, OutputProcessor
 from replicas.request import FinishReason, Request
 from replicas.rows import RowTable
+from replicas.step import Committed, ScheduledStep, StepOutput
 
 
 class Scheduler:
-    def __init__(self, mode: SchedulerMode, pool: PagePool, rows: RowTable, max_batch: int,
-                 max_tokens_per_step: int, block_length: int, mask_id: int,
+    def __init__(self, mode: SchedulerMode, pool: PagePool, rows: RowTable, outputs: OutputProcessor,
+                 max_batch: int, max_tokens_per_step: int, block_length: int, mask_id: int,
                  fill_timeout: Callable[[], float] = lambda: 0.0,
                  fdfo_hold: Callable[[int], float] = lambda rows: 0.0,
                  clock: Callable[[], float] = time.monotonic, full_canvas: bool = False):
@@ -56,17 +58,13 @@ class Scheduler:
         self._held_since: float | None = None  # fdfo: the hold of the coming step began then
         self.pool = pool
         self.rows = rows
+        self.outputs = outputs  # computes what a done block commits
         self.max_batch = max_batch
         self.max_tokens_per_step = max_tokens_per_step
         self.block_length = block_length
         self.mask_id = mask_id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # the step's requests, from ``schedule()`` to ``end_step()``
-        self.scheduled: list[Request] = []  # the requests of the batch's rows
-        self.stepped: list[Request] = []  # those whose block it steps, in block-unit order
-        # (request, first, end page index, a committed block's ids): pages whose final KV the batch writes
-        self._written: list[tuple[Request, int, int, tuple[int, ...] | None]] = []
         self.cache = pool.cache
         self._block_starts: list[tuple[int, int, int, int]] = []  # (row, page index, page, kept tokens)
 
@@ -77,24 +75,22 @@ class Scheduler:
     def finish(self, request: Request, reason: FinishReason) -> bool:
         """End a request where it is (abort, deadline, failure): record ``reason`` unless it
         had ended already, and free what it holds. Returns whether it ends now."""
-        ends_now = request.finish_reason is None
+        ends_now, status = request.finish_reason is None, request.status
         if ends_now:
             request.finish_reason = reason
-        if request.phase is Phase.WAITING:
+        if status is Phase.WAITING:
             self.waiting.remove(request)
         elif request.row >= 0:
             self._release(request)
-        request.phase = Phase.FINISHED
         return ends_now
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ---- one step ------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch | None:
-        """The next step's batch, or None (nothing runnable, or waiting until ``hold_until``)."""
+    def schedule(self) -> ScheduledStep | None:
+        """The next step, or None (nothing runnable, or waiting until ``hold_until``)."""
         self.hold_until = None
-        self.scheduled, self.stepped, self._written = [], [], []
         try:
             round_over = self._end_round()
             if self.waiting and self.policy.admits(len(self.running), round_over):
@@ -102,48 +98,54 @@ class Scheduler:
             if not self.running or self._fdfo_holds():
                 return None
             self._held_since = None
-            return self._build_batch()
+            return self._build_step()
         finally:
             self._write_block_starts()
 
-    def end_step(self) -> None:
-        """Let go of the step's requests (after its outcome is booked, or it failed), so
-        that one that ended is kept by nothing, also while no step follows."""
-        self.scheduled, self.stepped, self._written = [], [], []
-
-    def update_from_step(self, commits: Sequence[BlockCommit | None], kv_stale: Sequence[bool] | None = None,
-                         block_ids: Sequence[Sequence[int]] | None = None) -> None:
-        """Book the outcome of the last batch: ``commits[i]`` is what the done block of
-        ``stepped[i]`` adds to its output (None: the block goes on), applied here;
-        ``kv_stale[i]``: that forward fed the block with masks, so its final KV is still to
-        be written (a fused commit, see ``_build_batch``); ``block_ids[i]``: the block's
-        tokens after the step, its whole page (read from the row buffer when not given;
-        the prefix cache keys a committed page with them). A request that ended since it
-        was scheduled (its algorithm failed) is skipped."""
+    def update_from_output(self, step: ScheduledStep, output: StepOutput) -> list[Committed]:
+        """Apply what executing ``step`` computed: cache the pages whose final KV it wrote,
+        count each stepped block's step, record its log-probabilities, and commit the done
+        blocks into their requests' outputs (ending those that end). A block fed with masks
+        (``kv_stale``) has its final KV written by the row's next forward (a fused commit,
+        see ``_build_step``). A request that ended since it was scheduled (its algorithm
+        failed) is skipped. Returns the commits, in block order, for the caller to stream."""
         if self.cache is not None:
-            for request, first, end, ids in self._written:
+            for request, first, end, ids in step.written:
                 if request.row >= 0:  # not ended in the step (its algorithm failed): it has its pages
                     self._cache_pages(request, first, end, ids)
-        kv_stale = kv_stale or [False] * len(commits)
-        if block_ids is None:
-            block_ids = [None] * len(commits)
-        for request, commit, stale, ids in zip(self.stepped, commits, kv_stale, block_ids, strict=True):
-            if request.phase is not Phase.DENOISE:
+        committed = []
+        for request, ids, done, stale, logprobs in zip(step.stepped, output.block_ids, output.done, output.kv_stale,
+                                                       output.logprobs, strict=True):
+            if request.status is not Phase.DENOISE:
                 continue
             request.steps_in_block += 1
             request.num_steps += 1
-            if commit is None:
+            for position, logprob in logprobs or ():
+                request.block_logprobs[position] = logprob
+            if not done:
                 continue
-            self._apply(request, commit)
-            request.phase = Phase.BLOCK_DONE if request.finish_reason is None else Phase.FINISHED
-            if ids is None and self.cache is not None and request.answer_continues_prompt:
-                ids = self.rows.tokens[request.row, request.active_page_index].tolist()
-            if stale and request.phase is Phase.BLOCK_DONE:
-                request.unwritten_page = request.active_page_index
-                request.unwritten_ids = None if ids is None else tuple(ids)
-            elif not stale and self.cache is not None:  # its KV is the final tokens' already
-                self._cache_pages(request, request.active_page_index, request.active_page_index + 1,
-                                  None if ids is None else tuple(ids))
+            committed.append(Committed(request, self._commit(request, ids)))
+            page = request.active_page_index
+            if request.finish_reason is None:
+                request.phase = Phase.BLOCK_DONE
+                if stale:
+                    request.unwritten_page, request.unwritten_ids = page, tuple(ids)
+            if not stale and self.cache is not None:  # its KV is the final tokens' already
+                self._cache_pages(request, page, page + 1, tuple(ids))
+        return committed
+
+    def _commit(self, request: Request, block_ids: list[int]) -> BlockCommit:
+        """Commit the request's done block (``block_ids``: its whole page) into its output
+        and record: its answer ids up to an end, their text and log-probabilities."""
+        offset = request.answer_offset
+        logprobs = None if request.block_logprobs is None else request.block_logprobs[offset:]
+        commit = self.outputs.commit_block(request, block_ids[offset:], logprobs)
+        request.output_ids.extend(commit.token_ids)
+        request.committed_block_steps.append(request.steps_in_block)
+        request.finish_reason = commit.finish_reason
+        if request.block_logprobs is not None:  # the next block's
+            request.block_logprobs = [None] * self.block_length
+        return commit
 
     def _cache_pages(self, request: Request, first: int, end: int, block: tuple[int, ...] | None = None) -> None:
         """Cache the request's pages ``first`` to ``end`` (their final KV written: prompt
@@ -163,19 +165,10 @@ class Scheduler:
             return
         allocation.share(*self.cache.insert(allocation.cached, keys, allocation.pages[first:end]))
 
-    def _apply(self, request: Request, commit: BlockCommit) -> None:
-        """A done block into the request's output and record."""
-        request.output_ids.extend(commit.token_ids)
-        request.committed_block_steps.append(request.steps_in_block)
-        if commit.finish_reason is not None:
-            request.finish_reason = commit.finish_reason
-        if request.block_logprobs is not None:  # the next block's
-            request.block_logprobs = [None] * self.block_length
-
     # ---- rounds and admission ----------------------------------------------------------
     def _end_round(self) -> bool:
         """Advance and release rows as the mode's end of round says; whether the round ended."""
-        actions = self.policy.end_of_round([r.phase for r in self.running])
+        actions = self.policy.end_of_round([r.status for r in self.running])
         if actions is None:
             return False
         for request, action in zip(list(self.running), actions):
@@ -256,7 +249,7 @@ class Scheduler:
         prefills it once)."""
         if self.cache is None or depth >= request.prefix_pages:
             return False
-        return any(other.phase is Phase.PREFILL and other.allocation.shared == depth < other.prefix_pages
+        return any(other.status is Phase.PREFILL and other.allocation.shared == depth < other.prefix_pages
                    and other.allocation.cached is cached and other.prefix_keys[depth] == request.prefix_keys[depth]
                    for other in self.running)
 
@@ -283,7 +276,7 @@ class Scheduler:
         request.allocation, request.row = PageAllocation(), -1
 
     # ---- the batch -------------------------------------------------------------------
-    def _build_batch(self) -> ScheduledBatch:
+    def _build_step(self) -> ScheduledStep:
         """Prompt chunks within the token budget, then every running row's active block.
 
         A block committed at the step that filled its last mask (a fused commit) has the
@@ -293,11 +286,12 @@ class Scheduler:
         (sync, static) writes it with its idle unit instead of to the scratch page."""
         size = self.block_length
         budget = self.max_tokens_per_step - size * sum(
-            (r.phase is not Phase.PREFILL) + (r.phase is Phase.DENOISE and r.unwritten_page is not None)
+            (r.status is not Phase.PREFILL) + (r.status is Phase.DENOISE and r.unwritten_page is not None)
             for r in self.running)
         unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch = [], [], [], [], []
         advances, steps_in_block = [], []
         stepped_rows, stepped_pages = [], []
+        scheduled, stepped, written = [], [], []
         prompt_pages = 0
 
         def add_unit(request: Request, page_index: int, count: int, is_block: bool, scratch: bool = False) -> None:
@@ -308,7 +302,7 @@ class Scheduler:
             unit_scratch.append(scratch)
 
         for request in self.running:
-            if request.phase is Phase.PREFILL:
+            if request.status is Phase.PREFILL:
                 first = request.prefilled_pages
                 last = self._prefill_end(request, budget)
                 for page_index, count in enumerate(request.prefix_page_tokens[first:last], first):
@@ -317,17 +311,17 @@ class Scheduler:
                 request.prefilled_pages = last
                 prompt_pages += last - first
                 if last > first:
-                    self._written.append((request, first, last, None))
+                    written.append((request, first, last, None))
                 if last == request.prefix_pages and budget >= size:
                     budget -= size
                     self._start_block(request)  # prefill fused with the first block
                 else:
                     if last > first:
-                        self.scheduled.append(request)
+                        scheduled.append(request)
                     continue
-            idle = request.phase is not Phase.DENOISE
+            idle = request.status is not Phase.DENOISE
             if request.unwritten_page is not None:  # written by a unit of its own, or by the idle block unit
-                self._written.append((request, request.unwritten_page, request.unwritten_page + 1,
+                written.append((request, request.unwritten_page, request.unwritten_page + 1,
                                       request.unwritten_ids))
                 if not idle:
                     add_unit(request, request.unwritten_page, size, False)
@@ -336,17 +330,17 @@ class Scheduler:
             request.unwritten_page, request.unwritten_ids = None, None
             advances.append(not idle)
             steps_in_block.append(request.steps_in_block)
-            self.scheduled.append(request)
+            scheduled.append(request)
             if not idle:
-                self.stepped.append(request)
+                stepped.append(request)
                 stepped_rows.append(request.row)
                 stepped_pages.append(block_page)
 
         # three arrays made, their rows viewed (each array made costs more than its values)
         units = np.array([unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch], dtype=np.int64)
         blocks = np.array([advances, steps_in_block], dtype=np.int64)
-        return ScheduledBatch(
-            num_rows=len(self.scheduled),
+        batch = ScheduledBatch(
+            num_rows=len(scheduled),
             unit_row=units[0],
             unit_page_index=units[1],
             unit_count=units[2],
@@ -359,6 +353,7 @@ class Scheduler:
             prefix_units=len(unit_is_block) - sum(unit_is_block),
             prompt_pages=prompt_pages,
         )
+        return ScheduledStep(batch, scheduled, stepped, written)
 
     @staticmethod
     def _prefill_end(request: Request, budget: int) -> int:

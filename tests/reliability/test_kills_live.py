@@ -29,6 +29,9 @@ from ray.cluster_utils import Cluster
 
 from reliability_cluster import live_cluster, run, stream_completion, wait_for
 
+import cluster.app as cluster_app
+from tests.replicas.step_spies import faulty_replica_class
+
 REPLICAS = 2
 SETTINGS = {
     # one CPU a node: the ingress fills one node, so the two engines land on the other two
@@ -66,9 +69,12 @@ def ray_nodes():
 @pytest.fixture(scope="module")
 def cluster(ray_nodes):
     nodes, _ = ray_nodes
-    with live_cluster(SETTINGS, address=nodes.address) as running:
-        wait_for(lambda: len(running.replicas()) == REPLICAS, 180, "both replicas reporting")
-        yield running
+    # the engine replicas take faults on demand (``_inject``)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cluster_app, "EngineReplica", faulty_replica_class())
+        with live_cluster(SETTINGS, address=nodes.address) as running:
+            wait_for(lambda: len(running.replicas()) == REPLICAS, 180, "both replicas reporting")
+            yield running
 
 
 async def _burst(base_url: str) -> tuple[list[httpx.Response], dict]:

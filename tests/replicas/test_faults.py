@@ -14,6 +14,7 @@ from replicas.deployment import EngineReplica
 from replicas.messages import GenerateRequest, SamplingParams
 from replicas.request import FinishReason
 from replicas.settings import EngineConfig
+from tests.replicas.step_spies import inject_faults
 
 PARAMS = SamplingParams(max_tokens=64, ignore_eos=True)
 
@@ -30,7 +31,7 @@ def test_one_failing_step_fails_only_its_rows_as_a_replica_fault(make_engine):
         engine.add_request(prompt, PARAMS, request_id=prompt,
                            on_output=outputs.setdefault(prompt, []).append)
     engine.step()  # the first two prefill and take a step
-    engine.inject_faults(1)
+    inject_faults(engine, 1)
     assert engine.step() is None and engine.failed_steps_in_a_row == 1
     while engine.has_work():
         engine.step()
@@ -139,27 +140,27 @@ def _generate(replica, prompt: str) -> list:
 
 def test_steps_failing_in_a_row_make_the_replica_unhealthy(replica):
     asyncio.run(replica.check_health())
-    replica.inject_faults(-1)
+    inject_faults(replica.engine, -1)
     for prompt in ["1.", "2.", "3."]:
         [chunk] = _generate(replica, prompt)
         assert chunk.error_kind == "replica_fault" and "injected" in chunk.error
     with pytest.raises(RuntimeError, match="engine steps failed"):
         asyncio.run(replica.check_health())
-    replica.inject_faults(0)
+    inject_faults(replica.engine, 0)
     assert _generate(replica, "4.")[-1].finish_reason == "length"
     asyncio.run(replica.check_health())  # healthy again after a good step
 
 
 def test_after_one_failed_step_a_probe_tells_a_broken_engine_from_a_bad_step(replica):
-    replica.inject_faults(1)
+    inject_faults(replica.engine, 1)
     assert _generate(replica, "1.")[-1].error_kind == "replica_fault"
     asyncio.run(replica.check_health())  # the probe ran a good step
     assert replica.engine.failed_steps_in_a_row == 0
-    replica.inject_faults(-1)
+    inject_faults(replica.engine, -1)
     assert _generate(replica, "2.")[-1].error_kind == "replica_fault"
     with pytest.raises(RuntimeError, match="probe request failed"):
         asyncio.run(replica.check_health())
-    replica.inject_faults(0)
+    inject_faults(replica.engine, 0)
     asyncio.run(replica.check_health())
 
 

@@ -10,6 +10,7 @@ from replicas.kv_cache import KVCache, PagePool
 from replicas.messages import SamplingParams
 from replicas.rows import RowTable
 from replicas.runner import ModelRunner
+from tests.replicas.step_spies import track_stepped
 
 
 def dense_block_logits(model, prompt_ids, committed, block):
@@ -36,9 +37,10 @@ def record_block_logits(engine):
     seen = []
     forward = engine.runner.forward
     size = engine.block_length
+    stepped = track_stepped(engine)
 
     def spy(batch):
-        requests = list(engine.scheduler.stepped)
+        requests = list(stepped())
         blocks = engine.rows.blocks([r.row for r in requests], [r.active_page_index for r in requests]).tolist()
         committed = [[r.output_ids[j * size:(j + 1) * size] for j in range(r.block_index)] for r in requests]
         logits, seconds = forward(batch)

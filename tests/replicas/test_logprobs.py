@@ -5,24 +5,22 @@ import math
 import pytest
 import torch
 
-from replicas.logprobs import TokenLogprob, record_step
+from replicas.logprobs import TokenLogprob, step_logprobs
 from replicas.messages import RequestError, SamplingParams
 
 
-def test_record_step_writes_only_the_positions_the_step_wrote():
+def test_a_steps_logprobs_are_those_of_the_positions_it_wrote():
     mask = 9
     logits = torch.log(torch.tensor([[[0.1, 0.6, 0.3], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6]]]))
     logits = torch.cat([logits, torch.full((1, 3, 7), -1e9)], dim=-1)  # a vocabulary of 10
     before = torch.tensor([[mask, 4, mask]])
     after = torch.tensor([[2, 4, mask]])  # position 0 unmasked as token 2; 1 was there; 2 still masked
-    recorded = [[None] * 3]
-    record_step(recorded, [2], logits, before, after, mask)
-    first = recorded[0][0]
-    assert recorded[0][1:] == [None, None]
+    [[(position, first)]] = step_logprobs([2], logits, before, after, mask)
+    assert position == 0
     assert first.logprob == pytest.approx(math.log(0.3), abs=1e-5)
     assert [t for t, _ in first.top] == [1, 2] and first.top[0][1] == pytest.approx(math.log(0.6), abs=1e-5)
-    record_step(recorded, [0], logits, after, torch.tensor([[2, 4, 1]]), mask)
-    assert recorded[0][2] == TokenLogprob(pytest.approx(math.log(0.2), abs=1e-5), ())
+    assert step_logprobs([0], logits, after, torch.tensor([[2, 4, 1]]), mask) == \
+        [[(2, TokenLogprob(pytest.approx(math.log(0.2), abs=1e-5), ()))]]
 
 
 def test_greedy_tokens_are_their_steps_most_likely(make_engine):

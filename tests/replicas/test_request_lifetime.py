@@ -19,6 +19,7 @@ from replicas.messages import SamplingParams
 from replicas.request import FinishReason
 from replicas.settings import EngineConfig
 from replicas.tiny import task
+from tests.replicas.step_spies import inject_faults
 
 PROMPTS = [request.prompt for request in task.make_requests(10, seed=5)]
 SERVED = 600.0  # the deadline the ingress gives every request (``request_timeout_s``)
@@ -39,7 +40,8 @@ def made(monkeypatch, caplog):
         return request
 
     monkeypatch.setattr(Engine, "make_request", recording)
-    caplog.set_level(logging.CRITICAL, logger="replicas.engine")  # pytest keeps a logged traceback, and its frames
+    for logger in ("replicas.engine", "replicas.executor"):  # pytest keeps a logged traceback, and its frames
+        caplog.set_level(logging.CRITICAL, logger=logger)
     gc.disable()
     yield refs
     gc.enable()
@@ -90,7 +92,7 @@ def test_an_ended_request_leaves_nothing_in_the_engine(made, monkeypatch, mode):
     add("failed with its step", LONG)
     add("failed with its step too", LONG, whole=True)
     run(steps=2)
-    engine.inject_faults(1)
+    inject_faults(engine, 1)
     run()
     finished = {ends.pop(name) for name in ("streamed", "whole", "whole without stop strings")}
     assert finished <= {FinishReason.STOP, FinishReason.LENGTH}

@@ -1,6 +1,6 @@
-"""The scheduler owns request state: phases and outputs change through schedule /
-update_from_step / finish, its batch is plain host arrays, and its waits run on the clock it
-is given."""
+"""The scheduler owns request state: statuses and outputs change through schedule /
+update_from_output / finish, its batch is plain host arrays, and its waits run on the clock
+it is given."""
 
 import dataclasses
 
@@ -13,40 +13,57 @@ from replicas.engine import Engine, EngineConfig
 from replicas.kv_cache import PagePool
 from replicas.request import FinishReason, Request
 from replicas.messages import SamplingParams
-from replicas.output import BlockCommit
+from replicas.output import OutputProcessor
 from replicas.rows import RowTable
 from replicas.scheduler import Scheduler
+from replicas.step import StepOutput
 
 BLOCK = 4
 MASK = 99
 
 
+class SilentTokenizer:
+    """Every id decodes to nothing: these tests look at ids and statuses, not text."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+OUTPUTS = OutputProcessor(SilentTokenizer(), frozenset())  # no end ids: an answer ends at max_tokens
+
+
 def make_scheduler(mode, max_batch=2, max_tokens_per_step=16, **kwargs) -> Scheduler:
     pool = PagePool(32)
     rows = RowTable(max_batch, 8, BLOCK, pad_id=0)
-    return Scheduler(SchedulerMode(mode), pool, rows, max_batch, max_tokens_per_step, BLOCK, MASK, **kwargs)
+    return Scheduler(SchedulerMode(mode), pool, rows, OUTPUTS, max_batch, max_tokens_per_step, BLOCK, MASK, **kwargs)
+
+
+def output(step, done) -> StepOutput:
+    """A step's output without a model: each stepped block filled with 7s, ``done`` or not."""
+    count = len(step.stepped)
+    return StepOutput([[7] * BLOCK] * count, done, [False] * count, [None] * count, [])
 
 
 def make_request(name, prompt_len, blocks, arrival_time=0.0) -> Request:
     algorithm = get_algorithm("low_confidence")
-    return Request(request_id=name, prompt_ids=list(range(1, prompt_len + 1)),
-                   params=SamplingParams(max_tokens=blocks * BLOCK), algorithm=algorithm,
-                   algorithm_params=algorithm.make_params({}), block_length=BLOCK, arrival_time=arrival_time)
+    params = SamplingParams(max_tokens=blocks * BLOCK)
+    return Request(request_id=name, prompt_ids=list(range(1, prompt_len + 1)), params=params, algorithm=algorithm,
+                   algorithm_params=algorithm.make_params({}), block_length=BLOCK, arrival_time=arrival_time,
+                   detokenizer=OUTPUTS.detokenizer(params))
 
 
 def run_step(scheduler, steps_per_block):
     """One engine step without a model: a block is done after ``steps_per_block[name]``
-    steps; the commit of a request's last block ends it (as the output processor's would)."""
-    batch = scheduler.schedule()
-    assert batch is not None
+    steps; the commit of a request's last block ends it (``max_tokens``)."""
+    step = scheduler.schedule()
+    assert step is not None
+    batch = step.batch
     assert all(isinstance(getattr(batch, f.name), (np.ndarray, int)) for f in dataclasses.fields(batch))
-    assert batch.advances.sum() == len(scheduler.stepped)
-    commits = []
-    for request in scheduler.stepped:
-        block_done = request.steps_in_block + 1 == steps_per_block[request.request_id]
-        last = request.block_index == request.max_blocks - 1
-        commits.append(BlockCommit([7] * BLOCK, "", FinishReason.LENGTH if last else None) if block_done else None)
-    scheduler.update_from_step(commits)
+    assert batch.advances.sum() == len(step.stepped)
+    commits = scheduler.update_from_output(step, output(step, [
+        request.steps_in_block + 1 == steps_per_block[request.request_id] for request in step.stepped]))
+    assert all(c.request.finish_reason is (FinishReason.LENGTH if c.request.block_index == c.request.max_blocks - 1
+                                           else None) for c in commits)
     return batch
 
 
@@ -54,10 +71,10 @@ def test_fdfo_phases_from_chunked_prefill_to_release():
     scheduler = make_scheduler("fdfo", max_batch=1, max_tokens_per_step=BLOCK)
     request = make_request("a", prompt_len=6, blocks=2)
     scheduler.add(request)
-    phases = [request.phase]
+    phases = [request.status]
     for _ in range(6):
         run_step(scheduler, {"a": 2})
-        phases.append(request.phase)
+        phases.append(request.status)
     assert phases == [Phase.WAITING, Phase.PREFILL, Phase.PREFILL, Phase.DENOISE, Phase.BLOCK_DONE,
                       Phase.DENOISE, Phase.FINISHED]
     assert request.committed_block_steps == [2, 2] and request.num_steps == 4
@@ -78,7 +95,7 @@ def test_batch_synchronous_rounds(mode):
     history = []
     for _ in range(4):
         batch = run_step(scheduler, steps)
-        history.append((a.phase, b.phase, batch.advances.tolist()))
+        history.append((a.status, b.status, batch.advances.tolist()))
     assert history == [
         (Phase.BLOCK_DONE, Phase.DENOISE, [True, True]),
         (Phase.BLOCK_DONE, Phase.DENOISE, [False, True]),  # a idles until b's block is done
@@ -94,13 +111,13 @@ def test_a_request_ended_since_scheduling_is_skipped_by_the_update():
     a, b = make_request("a", 4, blocks=1), make_request("b", 4, blocks=1)
     scheduler.add(a)
     scheduler.add(b)
-    scheduler.schedule()
+    step = scheduler.schedule()
     assert scheduler.finish(a, FinishReason.ERROR)  # its algorithm failed
     assert not scheduler.finish(a, FinishReason.ABORT)  # ended once: the first reason stays
-    scheduler.update_from_step([BlockCommit([1] * BLOCK, "x", None), None])
-    assert a.phase is Phase.FINISHED and a.row == -1 and a.steps_in_block == 0 and a.output_ids == []
+    assert scheduler.update_from_output(step, output(step, [True, False])) == []
+    assert a.status is Phase.FINISHED and a.row == -1 and a.steps_in_block == 0 and a.output_ids == []
     assert a.finish_reason is FinishReason.ERROR
-    assert b.phase is Phase.DENOISE and b.steps_in_block == 1
+    assert b.status is Phase.DENOISE and b.steps_in_block == 1
 
 
 def test_finish_frees_a_waiting_or_running_request():

@@ -8,6 +8,7 @@ from tools.bench.canvas import bench_canvas
 from replicas.attention import DenseAttentionContext
 from replicas.engine import Engine, EngineConfig
 from replicas.messages import RequestError, SamplingParams
+from tests.replicas.step_spies import track_stepped
 
 
 @pytest.mark.parametrize("arch, canvas, aligned", [
@@ -67,11 +68,12 @@ def spy_sequences(engine):
     """For every forward of a one-request engine: the row's whole sequence up to the end of
     its active block (what the block attends to) and the block's logits."""
     seen, forward = [], engine.runner.forward
+    stepped = track_stepped(engine)
 
     def spy(batch):
         logits, seconds = forward(batch)
-        if engine.scheduler.stepped:
-            request = engine.scheduler.stepped[0]
+        if stepped():
+            request = stepped()[0]
             end = (request.active_page_index + 1) * engine.block_length
             seen.append((engine.rows.tokens[request.row].reshape(-1)[:end].tolist(), logits[0]))
         return logits, seconds

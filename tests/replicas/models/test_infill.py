@@ -7,6 +7,7 @@ import torch
 
 from replicas.attention import DenseAttentionContext
 from replicas.messages import INFILL_NEEDS, RequestError, SamplingParams
+from tests.replicas.step_spies import track_stepped
 
 PROMPT = [5 + (i * 7) % 80 for i in range(45)]
 SUFFIX = [7 + (i * 11) % 70 for i in range(20)]
@@ -18,11 +19,12 @@ def spy_canvas(engine):
     in it, and the block's logits."""
     seen, forward = [], engine.runner.forward
     size = engine.block_length
+    stepped = track_stepped(engine)
 
     def spy(batch):
         logits, seconds = forward(batch)
-        if engine.scheduler.stepped:
-            request = engine.scheduler.stepped[0]
+        if stepped():
+            request = stepped()[0]
             tokens = engine.rows.tokens[request.row].reshape(-1)
             answer_start = request.prefix_pages * size
             answer_end = answer_start + request.blocks_to_denoise * size

@@ -13,15 +13,17 @@ from checkpoint_builders import OVERRIDES
 from replicas.attention import DenseAttentionContext
 from replicas.engine import Engine, EngineConfig
 from replicas.messages import SamplingParams
+from tests.replicas.step_spies import track_stepped
 
 
 def record_steps(engine, prompt, max_tokens):
     """(committed blocks, active block, block step, logits, later blocks) for every forward
     of one request."""
     size, seen, forward = engine.block_length, [], engine.runner.forward
+    stepped = track_stepped(engine)
 
     def spy(batch):
-        request = engine.scheduler.stepped[0] if engine.scheduler.stepped else None
+        request = stepped()[0] if stepped() else None
         if request is not None:
             block = engine.rows.blocks([request.row], [request.active_page_index])[0]
             committed = [request.output_ids[j * size:(j + 1) * size] for j in range(request.block_index)]
