@@ -77,8 +77,8 @@ from dataclasses import dataclass, replace
 from cluster.config import AdmissionSettings, SLOSettings
 from cluster.errors import APIError
 from replicas.cost_model import DrainModel, mean_steps
-from replicas.limits import request_cost, steps_quantile
-from replicas.reports import MIN_STALE_S, ReplicaView
+from replicas.request_cost import request_cost, steps_quantile
+from replicas.telemetry.reports import MIN_STALE_S, ReplicaView
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class AdmissionController:
                  clock: Callable[[], float] = time.time, stale_after_s: float = MIN_STALE_S):
         """``slo_latency_s``: None derives it from the replicas' reports; ``clock``: the wall
         clock the replicas' ``stats_time`` is on; reports older than ``stale_after_s``
-        (``replicas.reports.stale_after_s``) are ignored."""
+        (``replicas.telemetry.reports.stale_after_s``) are ignored."""
         self.settings = settings
         self.stale_after_s = stale_after_s
         self.slo = SLOSettings(latency_s=slo_latency_s)
@@ -177,7 +177,7 @@ class AdmissionController:
     def cost(self, max_tokens: int, block_length: int, worst_case_steps_per_block: int,
              max_cost: int | None = None) -> int:
         """Blocks x steps per block (see the module docstring), at most ``max_cost``
-        (``replicas.limits.max_request_cost``: what one replica row holds)."""
+        (``replicas.request_cost.max_request_cost``: what one replica row holds)."""
         return request_cost(max_tokens, block_length, self.steps_per_block(worst_case_steps_per_block), max_cost)
 
     # ---- the prediction ------------------------------------------------------------------

@@ -19,7 +19,7 @@ from cluster.ingress import Ingress
 from cluster.metrics import ACTOR_NAME, ACTOR_NAMESPACE, MetricsActor
 from cluster.request_path import LocalRequestPath
 from replicas.deployment import EngineReplica
-from replicas.reports import stale_after_s
+from replicas.telemetry.reports import stale_after_s
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ByteSize
 
-from replicas.settings import EngineConfig
+from replicas.engine_config import EngineConfig
 
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ def _check_model_default_algorithm(config, spec) -> None:
     """``replica.algorithm_params`` without ``replica.algorithm`` apply to the model's own default."""
     from algorithms import AlgorithmError, get_algorithm
     from cluster.config import ConfigError
-    from replicas.settings import resolve_algorithm
+    from replicas.engine_config import resolve_algorithm
 
     if config.replica.algorithm is None:
         name, params = resolve_algorithm(config.replica, spec)
@@ -180,7 +180,7 @@ def _check_pool_settings(replica, spec) -> None:
     from measured memory is checked by each replica at its start (``replicas.memory``)."""
     from replicas.engine import torch_dtype
     from replicas.memory import settled_pool
-    from replicas.settings import ServingShape
+    from replicas.engine_config import ServingShape
 
     settled_pool(replica, spec, ServingShape.of(replica, spec), torch_dtype(replica))
 
@@ -325,7 +325,7 @@ def cmd_status(args) -> int:
         # mode once, when it is imported: set it first.
         os.environ["RAY_AUTH_MODE"] = "token"
     from cluster.app import cluster_status
-    from replicas.reports import ReplicaView
+    from replicas.telemetry.reports import ReplicaView
 
     status = cluster_status(args.address)
     views = {replica: ReplicaView.model_validate(raw) for replica, raw in sorted(status["replicas"].items())}

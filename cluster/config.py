@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cluster.auth import API_KEYS_ENV
 from cluster.request_path import RequestPath
-from replicas.limits import SLO_HEADROOM
+from replicas.request_cost import SLO_HEADROOM
 from replicas.quality import QualityKnob, QualityLevel
-from replicas.settings import EngineConfig
+from replicas.engine_config import EngineConfig
 
 
 class ConfigError(ValueError):

@@ -29,7 +29,7 @@ from ray.exceptions import RayError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from cluster.router import avoid
-from replicas.limits import blocks_needed
+from replicas.request_cost import blocks_needed
 from replicas.messages import GenerateChunk, GenerateRequest, SamplingParams
 from replicas.request import FinishReason
 

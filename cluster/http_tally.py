@@ -13,7 +13,7 @@ import bisect
 import time
 from collections import Counter
 
-from replicas.reports import HTTP_SECONDS_BOUNDS
+from replicas.telemetry.reports import HTTP_SECONDS_BOUNDS
 
 
 class Tally:

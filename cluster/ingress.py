@@ -48,10 +48,10 @@ from cluster.preprocess import Preprocess
 from cluster.request_path import logs_to_stderr_in_this_process, path_in_this_process
 from cluster.responses import Render
 from cluster.router import PrefixMemory
-from replicas.heap import settle_after_start_up
+from replicas.gc_freeze import settle_after_start_up
 from replicas.models import load_model_spec, load_tokenizer
-from replicas.output import OutputProcessor
-from replicas.reports import IngressReport, stale_after_s
+from replicas.commits import OutputProcessor
+from replicas.telemetry.reports import IngressReport, stale_after_s
 from replicas.text_encoding import text_encoder
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from replicas.calibration_log import CalibrationLog
-from replicas.reports import HTTP_SECONDS_BOUNDS, MIN_STALE_S, IngressReport, ReplicaStats
+from replicas.telemetry.calibration_log import CalibrationLog
+from replicas.telemetry.reports import HTTP_SECONDS_BOUNDS, MIN_STALE_S, IngressReport, ReplicaStats
 
 ACTOR_NAME = "dllm-metrics"
 ACTOR_NAMESPACE = "dllm"
@@ -128,7 +128,7 @@ METRICS = (
     MetricSpec("dllm_http_responses_total", Counter, "HTTP responses sent by the ingress replicas, by status code", ("code",)),
     MetricSpec("dllm_stream_errors_total", Counter, "Streams sent as 200 that ended in an error event, by the HTTP status of the error (internal error 500, replica failed 503, timeout 504, ...)", ("code",)),
     MetricSpec("dllm_http_response_seconds", SummedHistogram, "Time from a request's arrival at an ingress replica's app to its response's last byte", (), buckets=HTTP_SECONDS_BOUNDS),
-    MetricSpec("dllm_replicas", Gauge, "Replicas that reported recently (replicas.reports.stale_after_s: 10 s or 20 stats periods)", ()),
+    MetricSpec("dllm_replicas", Gauge, "Replicas that reported recently (replicas.telemetry.reports.stale_after_s: 10 s or 20 stats periods)", ()),
 )
 
 
@@ -172,7 +172,7 @@ _LABELLED_INGRESS_TOTALS = {
 
 class MetricsExporter:
     def __init__(self, stale_after_s: float = MIN_STALE_S, slo_latency_s: float | None = None):
-        """A replica or ingress silent for ``stale_after_s`` (``replicas.reports.stale_after_s``) is gone;
+        """A replica or ingress silent for ``stale_after_s`` (``replicas.telemetry.reports.stale_after_s``) is gone;
         ``slo_latency_s`` is a bucket bound of the ``slo_bound`` histograms."""
         self.stale_after_s = stale_after_s
         disable_created_metrics()
@@ -194,7 +194,7 @@ class MetricsExporter:
         self._started = time.monotonic()
 
     def push_replica(self, replica: str, report: dict) -> None:
-        """Add one replica report (see ``replicas.monitor.ReplicaMonitor.report``)."""
+        """Add one replica report (see ``replicas.telemetry.monitor.ReplicaMonitor.report``)."""
         m = self.metrics
         self._last_seen[replica] = time.monotonic()
         last = self._views.get(replica, ReplicaStats())
@@ -279,7 +279,7 @@ class MetricsExporter:
 
     def calibration(self, window_s: float) -> dict[str, dict]:
         """What each live replica measured in the last ``window_s`` seconds, for
-        `dllm-serve calibrate` (see ``replicas.calibration_log``)."""
+        `dllm-serve calibrate` (see ``replicas.telemetry.calibration_log``)."""
         self._prune()
         since = time.time() - window_s
         return {replica: log.summary(since) for replica, log in self._calibration.items()}

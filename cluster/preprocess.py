@@ -36,10 +36,10 @@ from cluster.admission import AdmissionController, Refusals
 from cluster.config import AppConfig
 from cluster.errors import APIError, bad_request, validation_error
 from cluster.router import PrefixMemory
-from replicas.limits import aligned_head, blocks_needed, prompt_pages, room_for_output
+from replicas.request_cost import aligned_head, blocks_needed, prompt_pages, room_for_output
 from replicas.messages import INFILL_NEEDS, GenerateRequest, SamplingParams, request_problem
 from replicas.prefix_cache import page_hashes
-from replicas.settings import ServingShape, resolve_algorithm
+from replicas.engine_config import ServingShape, resolve_algorithm
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class Preprocess:
 
     def _algorithm(self, body: protocol.SamplingFields) -> tuple[DllmAlgorithm, dict, AlgorithmParams]:
         """The request's algorithm, its parameters (its sampling fields and algorithm_params
-        on top of the default: ``replicas.settings.resolve_algorithm``) and those validated."""
+        on top of the default: ``replicas.engine_config.resolve_algorithm``) and those validated."""
         requested = {f: getattr(body, f) for f in SAMPLING_FIELDS if getattr(body, f) is not None}
         name, params = resolve_algorithm(self.config.replica, self.spec, body.algorithm)
         try:

@@ -28,7 +28,7 @@ from typing import TypeVar
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from replicas.messages import GenerateRequest
-from replicas.reports import MIN_STALE_S, ReplicaStats
+from replicas.telemetry.reports import MIN_STALE_S, ReplicaStats
 
 MAX_REMEMBERED_PAGES = 200_000  # prefix hashes a router keeps (a few MB)
 T = TypeVar("T")

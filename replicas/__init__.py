@@ -8,7 +8,7 @@ Glossary: the shared terms, as the code uses them (``../shared/DESIGN.md`` expla
   positions of each row's active block it fills. A block takes one or more steps.
 * **commit**: a block whose positions are all filled becomes final: its ids are appended
   to the request's output and its KV is written (with the **fused commit**, by the next
-  step's forward instead of a forward of its own). A ``BlockCommit`` (``replicas.output``)
+  step's forward instead of a forward of its own). A ``BlockCommit`` (``replicas.commits``)
   is what one adds; the scheduler applies it.
 * **row**: a request's place in the running batch (``replicas.rows``); a **row-step** is
   one row in one step, the unit of cost in which admission, routing and the autoscaler
@@ -28,7 +28,7 @@ Glossary: the shared terms, as the code uses them (``../shared/DESIGN.md`` expla
   baselines ``sync``, ``static``, ``fixed_fill``.
 * **fill timeout / hold**: how long a not-full batch may wait for arrivals before it
   steps (``replicas.fill_timeout``).
-* **cost**: a request's row-steps as admission charges them (``replicas.limits``); the
+* **cost**: a request's row-steps as admission charges them (``replicas.request_cost``); the
   **step debt** is a replica's cost of live requests minus the steps they took, and the
   **drain rate** its row-steps per second at full batch: debt / rate is its **predicted
   drain time**, which the router and admission compare with the SLO.

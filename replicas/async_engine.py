@@ -2,7 +2,7 @@
 
 The loop thread steps the engine while it has work and sleeps on an event otherwise.
 Each request's committed blocks are handed to the caller's event loop through an
-``asyncio.Queue`` (or, for a whole answer, only the answer, once); leaving the iterator
+``asyncio.Queue`` (for a whole answer, all of them once, at its end); leaving the iterator
 early (client disconnect, cancel) aborts the request, so its pages are freed.
 """
 
@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import torch
 
 from replicas.engine import Engine
-from replicas.messages import GenerateChunk, GenerateRequest, SamplingParams
-from replicas.stats import StepStats
+from replicas.messages import GenerateChunk, GenerateRequest, SamplingParams, joined
+from replicas.telemetry.step_stats import StepStats
 
 log = logging.getLogger(__name__)
 
@@ -90,34 +90,42 @@ class AsyncEngine:
 
         ``request``: the engine request, taken as it comes, or a prompt with ``params`` and
         ``request_id`` (``Engine.make_request``).
-        ``whole``: yield one chunk, the whole answer (as ``messages.joined`` makes of the
-        blocks' chunks): the caller's event loop is woken once, not once a block (each
-        wake-up is a thread switch and a loop turn), and decodes its text where the engine
-        left that to it (``Engine.with_answer_text``). ``on_progress(steps, tokens)`` then
-        sees each block as it commits, in the engine's thread: it must be quick and must
-        not raise.
+        ``whole``: yield one chunk, the whole answer, its blocks' chunks joined here
+        (``messages.joined``): the caller's event loop is woken once, at the end, not once a
+        block (each wake-up is a thread switch and a loop turn), and decodes its text where
+        the engine left that to it (``Engine.with_answer_text``). ``on_progress(steps,
+        tokens)`` then sees each block as it commits, in the engine's thread: it must be
+        quick and must not raise.
 
         Raises ``RequestError`` before yielding anything if the request is invalid.
         """
         params = request.params if isinstance(request, GenerateRequest) else params
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[GenerateChunk] = asyncio.Queue()
+        queue: asyncio.Queue[GenerateChunk | list[GenerateChunk]] = asyncio.Queue()
+        blocks: list[GenerateChunk] = []  # a whole answer's, until its end
 
         def deliver(output: GenerateChunk) -> None:
+            if whole:
+                blocks.append(output)
+                if not output.finished:
+                    if on_progress is not None:
+                        on_progress(output.steps, len(output.token_ids))
+                    return
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, output)
+                loop.call_soon_threadsafe(queue.put_nowait, blocks if whole else output)
             except RuntimeError:  # the caller's loop is gone (e.g. the abort after a disconnect)
                 pass
 
-        request_id = self.engine.add_request(request, params, request_id, on_output=deliver, whole=whole,
-                                             on_progress=on_progress)
+        request_id = self.engine.add_request(request, params, request_id, on_output=deliver, whole=whole)
         self._wake.set()
         finished = False
         try:
             while not finished:
                 output = await queue.get()
+                if whole:
+                    output = self.engine.with_answer_text(joined(output), params)
                 finished = output.finished
-                yield self.engine.with_answer_text(output, params) if whole else output
+                yield output
         finally:
             if not finished:
                 self.engine.abort(request_id)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from replicas.fill_timeout import fdfo_hold, optimal_fill_timeout
-from replicas.reports import ReplicaStats
+from replicas.telemetry.reports import ReplicaStats
 
 
 RATE_WINDOW_S = 2.0

@@ -21,14 +21,14 @@ import torch
 
 from replicas.async_engine import AsyncEngine
 from replicas.engine import Engine
-from replicas.heap import settle_after_start_up
-from replicas.limits import aligned_head, request_cost
+from replicas.gc_freeze import settle_after_start_up
+from replicas.request_cost import aligned_head, request_cost
 from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams
-from replicas.monitor import ReplicaMonitor
+from replicas.telemetry.monitor import ReplicaMonitor
 from replicas.quality import QualityKnob
-from replicas.reports import ReplicaStats
+from replicas.telemetry.reports import ReplicaStats
 from replicas.request import FinishReason
-from replicas.settings import EngineConfig, resolve_algorithm
+from replicas.engine_config import EngineConfig, resolve_algorithm
 
 log = logging.getLogger(__name__)
 

@@ -31,18 +31,18 @@ from replicas.attention import resolve_backend
 from replicas.kv_cache import PagePool
 from replicas.models import load_model, load_tokenizer
 from replicas.memory import allocate_pool, plan_pool
-from replicas.messages import (INFILL_NEEDS, GenerateChunk, GenerateRequest, RequestError, SamplingParams,
+from replicas.messages import (INFILL_NEEDS, GenerateChunk, GenerateRequest, RequestError, SamplingParams, joined,
                                request_problem, resume_problem, text_at_end)
 from replicas.executor import ForwardFailed, StepExecutor
-from replicas.output import OutputProcessor
+from replicas.commits import OutputProcessor
 from replicas.prefix_cache import PrefixCache
 from replicas.batching import SchedulerMode
 from replicas.request import FinishReason, Request
 from replicas.rows import RowTable
 from replicas.runner import ModelRunner, refreshes_rows
 from replicas.scheduler import Scheduler
-from replicas.settings import EngineConfig, ServingShape, resolve_algorithm
-from replicas.stats import EngineTotals, StepStats
+from replicas.engine_config import EngineConfig, ServingShape, resolve_algorithm
+from replicas.telemetry.step_stats import EngineTotals, StepStats
 from replicas.step import Committed, ScheduledStep, StepOutput
 from replicas.text_encoding import text_encoder
 
@@ -147,8 +147,7 @@ class Engine:
 
     def make_request(self, request: GenerateRequest | str | Sequence[int], params: SamplingParams | None = None,
                      request_id: str | None = None,
-                     on_output: Callable[[GenerateChunk], None] | None = None, whole: bool = False,
-                     on_progress: Callable[[int, int], None] | None = None) -> Request:
+                     on_output: Callable[[GenerateChunk], None] | None = None, whole: bool = False) -> Request:
         """The engine's ``Request`` of ``request`` (raises RequestError); does not enqueue it.
         ``request``: the engine request as the ingress made it, taken as it comes; or, asked
         directly of the engine (offline use, benches, tests), a prompt (text or ids) with
@@ -157,10 +156,9 @@ class Engine:
         checked against the model and this replica's pool (``messages.request_problem``,
         cheap): an id outside the vocabulary would fault the device, a mask id would be
         denoised, and its pages must fit.
-        ``whole``: ``on_output`` sees one chunk, the whole answer (as ``messages.joined``
-        makes of the streamed chunks; without stop strings, without its text: the receiver
-        decodes it with ``with_answer_text``), and ``on_progress(steps, tokens)`` sees each
-        block committed before, in the engine's thread (it must be quick and must not raise)."""
+        ``whole``: its receiver joins its chunks into one (``messages.joined``); without
+        stop strings its chunks carry no text, which the receiver decodes from the joined
+        ids with ``with_answer_text``."""
         direct = not isinstance(request, GenerateRequest)
         if direct:
             prompt_ids = self.encode(request) if isinstance(request, str) else list(request)
@@ -183,7 +181,6 @@ class Engine:
             arrival_time=self.clock(),
             on_output=on_output,
             whole=whole,
-            on_progress=on_progress,
             aligned=self.shape.aligned,
             output_ids=list(params.resume_ids),
             detokenizer=None if text_at_end(params, whole) else self.outputs.detokenizer(params),
@@ -202,7 +199,7 @@ class Engine:
             raise RequestError(resume_error)
 
     def with_answer_text(self, chunk: GenerateChunk, params: SamplingParams | None) -> GenerateChunk:
-        """``chunk``, the one chunk of a whole answer asked with ``params``, with its text
+        """``chunk``, a whole answer's joined chunks asked with ``params``, with its text
         where the engine left that to the receiver (``messages.text_at_end``). Call it on the
         receiving thread: the decoding stays out of the engine's steps."""
         params = params or SamplingParams()
@@ -212,10 +209,9 @@ class Engine:
 
     def add_request(self, request: GenerateRequest | str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None,
-                    on_output: Callable[[GenerateChunk], None] | None = None, whole: bool = False,
-                    on_progress: Callable[[int, int], None] | None = None) -> str:
+                    on_output: Callable[[GenerateChunk], None] | None = None, whole: bool = False) -> str:
         """Enqueue ``request`` (as ``make_request`` takes it) for the next step; its id."""
-        made = self.make_request(request, params, request_id, on_output, whole, on_progress)
+        made = self.make_request(request, params, request_id, on_output, whole)
         with self._inbox_lock:
             self._inbox.append(made)
         return made.request_id
@@ -325,19 +321,8 @@ class Engine:
 
     def _emit(self, request: Request, token_ids: list[int] = (), text: str = "", logprobs=None,
               error: str | None = None, error_kind: str | None = None) -> None:
-        """Stream a chunk of the request to its caller: a committed block, or its end (a
-        whole answer's blocks are kept for its end, which carries them all)."""
+        """Stream a chunk of the request to its caller: a committed block, or its end."""
         reason = request.finish_reason
-        if request.whole and error is None:
-            if reason is None:
-                request.answer_text.append(text)
-                request.answer_logprobs.extend(logprobs or ())
-                if request.on_progress is not None:
-                    request.on_progress(request.num_steps, len(token_ids))
-                return
-            token_ids = request.output_ids[len(request.params.resume_ids):]
-            text = "".join(request.answer_text) + text
-            logprobs = request.answer_logprobs + list(logprobs or ())
         request.emit(GenerateChunk(
             text=text, token_ids=list(token_ids), finished=reason is not None,
             finish_reason=None if reason is None else reason.value, error=error, error_kind=error_kind,
@@ -381,13 +366,13 @@ class Engine:
             if request is None or request.deadline != deadline:  # ended, or its id is a later request's now
                 continue
             try:  # its committed blocks are its answer: the text held back is final now
-                flushed = self.outputs.commit_block(request, [], ends=FinishReason.TIMEOUT)
+                text = self.scheduler.end_at_deadline(request)
             except Exception as exc:  # never left holding its row: it ends as a failure instead
                 log.exception("request %s: its end at the deadline failed", request_id)
                 self._fail(request, f"the request's end at its deadline failed: {type(exc).__name__}: {exc}")
                 continue
             del self._requests[request_id]
-            self._end(request, flushed.finish_reason, None, text=flushed.text)
+            self._emit(request, text=text)
             self.totals.requests_timed_out += 1
 
     def _abort_now(self, request_id: str) -> None:
@@ -407,11 +392,10 @@ class Engine:
             self._emit(request, error=error, error_kind=error_kind)
         self.totals.requests_failed += 1
 
-    def _end(self, request: Request, reason: FinishReason, error: str | None, error_kind: str | None = None,
-             text: str = "") -> None:
-        """End ``request`` where it is; its last chunk adds ``text``."""
+    def _end(self, request: Request, reason: FinishReason, error: str | None, error_kind: str | None = None) -> None:
+        """End ``request`` where it is, and tell its receiver."""
         if self.scheduler.finish(request, reason):
-            self._emit(request, text=text, error=error, error_kind=error_kind)
+            self._emit(request, error=error, error_kind=error_kind)
 
     def warm_up(self) -> None:
         """Measure the step cost before serving: closed batches of one-block requests of 1,
@@ -466,4 +450,4 @@ class Engine:
                     time.sleep(min(self.hold_s(), 0.01))
                 elif on_step is not None:
                     on_step(stats)
-        return [self.with_answer_text(sink[-1], p) for sink, p in zip(chunks, params)]
+        return [self.with_answer_text(joined(sink), p) for sink, p in zip(chunks, params)]

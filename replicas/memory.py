@@ -40,7 +40,7 @@ import torch
 from replicas.attention import BatchLayout, keys_per_group, paged_context
 from replicas.kv_cache import KVCache
 from replicas.models.spec import ModelSpec
-from replicas.settings import EngineConfig, ServingShape
+from replicas.engine_config import EngineConfig, ServingShape
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from replicas.limits import length_error, pages_needed
+from replicas.request_cost import length_error, pages_needed
 from replicas.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from algorithms import AlgorithmParams, DllmAlgorithm
 from replicas.batching import Phase
 from replicas.detokenizer import Detokenizer
 from replicas.logprobs import TokenLogprob
-from replicas.limits import aligned_head, blocks_needed, prompt_pages
+from replicas.request_cost import aligned_head, blocks_needed, prompt_pages
 from replicas.messages import GenerateChunk, SamplingParams, text_at_end
 from replicas.kv_cache import PageAllocation
 
@@ -37,17 +37,14 @@ class Request:
     block_length: int
     arrival_time: float  # on the engine's clock
     on_output: Callable[[GenerateChunk], None] | None = None
-    # the caller takes one chunk, the whole answer: ``on_output`` sees only that, and
-    # ``on_progress(steps, the block's tokens)`` each block committed before it
-    whole: bool = False
-    on_progress: Callable[[int, int], None] | None = None
+    whole: bool = False  # the caller joins its chunks into one answer (``messages.joined``)
     # blocks aligned to the sequence's start (EngineConfig.block_alignment 'prompt'): the
     # first answer block is the one holding the prompt's (or the resumed output's) end
     aligned: bool = False
     # (the fields above never change: the layout fields at the end derive from them)
 
     # where the request stands and what it produced: changed by the scheduler only
-    # (replicas.scheduler), which applies each committed block (``replicas.output.BlockCommit``)
+    # (replicas.scheduler), which applies each committed block (``replicas.commits.BlockCommit``)
     phase: Phase = Phase.WAITING  # while it runs (never FINISHED: ``status`` says that)
     row: int = -1
     # its pages (``replicas.kv_cache``); ``allocation.shared``: how many of its first pages
@@ -68,9 +65,6 @@ class Request:
     detokenizer: Detokenizer | None = None
     # the active block's, when asked: each step's written positions (``replicas.logprobs``)
     block_logprobs: list[TokenLogprob | None] | None = None
-    # a whole answer's text and log-probabilities of its committed blocks, for its one chunk
-    answer_text: list[str] = field(default_factory=list)
-    answer_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
     # the request's layout, derived at construction from the fields that never change (on

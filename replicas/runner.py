@@ -40,7 +40,7 @@ from torch import nn
 
 from replicas.attention import BatchLayout, paged_context, resolve_backend
 from replicas.devices import to_device
-from replicas.scheduled_batch import ScheduledBatch
+from replicas.step import ScheduledBatch
 from replicas.kv_cache import KVCache, PagePool
 from replicas.rows import RowTable
 

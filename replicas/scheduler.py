@@ -33,14 +33,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from replicas.scheduled_batch import ScheduledBatch
 from replicas.batching import Phase, RowAction, SchedulerMode, batching_policy
 from replicas.kv_cache import PageAllocation, PagePool
 from replicas.prefix_cache import CachedRun
-from replicas.output import BlockCommit, OutputProcessor
+from replicas.commits import BlockCommit, OutputProcessor
 from replicas.request import FinishReason, Request
 from replicas.rows import RowTable
-from replicas.step import Committed, ScheduledStep, StepOutput
+from replicas.step import Committed, ScheduledBatch, ScheduledStep, StepOutput
 
 
 class Scheduler:
@@ -83,6 +82,13 @@ class Scheduler:
         elif request.row >= 0:
             self._release(request)
         return ends_now
+
+    def end_at_deadline(self, request: Request) -> str:
+        """End ``request`` at its deadline with what it committed (finish reason
+        ``timeout``); returns the text its detokenizer held back, final now."""
+        flushed = self.outputs.commit_block(request, [], ends=FinishReason.TIMEOUT)
+        self.finish(request, FinishReason.TIMEOUT)
+        return flushed.text
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

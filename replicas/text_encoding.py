@@ -52,7 +52,7 @@ def _plain_fast_backend(tokenizer):
     from transformers import PreTrainedTokenizerFast
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-    backend = getattr(tokenizer, "backend_tokenizer", None)  # as ``replicas.output.text_decoder`` reads it
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # as ``replicas.commits.text_decoder`` reads it
     kind = type(tokenizer)
     plain = (isinstance(tokenizer, PreTrainedTokenizerFast) and isinstance(backend, Tokenizer)
              and hasattr(backend, "encode_batch_fast")

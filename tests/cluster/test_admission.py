@@ -9,7 +9,7 @@ import pytest
 from cluster.admission import REFUSAL_LOG_EVERY_S, AdmissionController
 from cluster.config import SLO_FLOOR_S, SLO_MULTIPLE, AdmissionSettings
 from replicas.cost_model import DrainModel
-from replicas.limits import SLO_HEADROOM
+from replicas.request_cost import SLO_HEADROOM
 
 # the tiny model on this machine, roughly: 7 ms per step plus 2 ms per row, 16 rows
 C0, C1, MAX_BATCH = 0.007, 0.002, 16

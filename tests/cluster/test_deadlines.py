@@ -11,7 +11,7 @@ import pytest
 
 from replicas.engine import Engine
 from replicas.messages import SamplingParams
-from replicas.settings import EngineConfig
+from replicas.engine_config import EngineConfig
 from test_ingress_path import PROMPT, answer
 from test_input_bounds import error_of, ingress_over, sse_events
 

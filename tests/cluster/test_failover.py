@@ -11,7 +11,7 @@ from ray.exceptions import ActorDiedError
 from cluster.failover import Failover, ReplicaFailed
 from replicas.deployment import EngineReplica
 from replicas.messages import GenerateChunk, GenerateRequest, SamplingParams
-from replicas.settings import EngineConfig
+from replicas.engine_config import EngineConfig
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from replicas.deployment import EngineReplica
-from replicas.settings import EngineConfig
+from replicas.engine_config import EngineConfig
 from tests.replicas.models.checkpoint_builders import write_checkpoint
 from test_ingress_path import answer
 from test_input_bounds import ingress_over, sse_events

@@ -25,7 +25,7 @@ from algorithms.sampling import MAX_TOP_K
 from cluster import protocol
 from cluster.config import IngressSettings, load_config
 from cluster.errors import install_error_handlers
-from replicas.limits import max_request_cost, request_cost
+from replicas.request_cost import max_request_cost, request_cost
 from replicas.messages import GenerateChunk
 from replicas.tiny import task
 from exploding_algorithm import MESSAGE as EXPLODING_MESSAGE, NAME as EXPLODING, register_exploding
@@ -242,7 +242,7 @@ async def sse_events(response) -> list:
 @pytest.fixture
 def exploding_replica(monkeypatch):
     from replicas.deployment import EngineReplica
-    from replicas.settings import EngineConfig
+    from replicas.engine_config import EngineConfig
 
     register_exploding(monkeypatch)
     replica = EngineReplica("tiny", EngineConfig(max_batch=4), metrics_actor=None)
@@ -560,7 +560,7 @@ async def as_received(answered) -> httpx.Response:
 def tiny_replica():
     """A real engine replica of the tiny model in this process (no Ray)."""
     from replicas.deployment import EngineReplica
-    from replicas.settings import EngineConfig
+    from replicas.engine_config import EngineConfig
 
     replica = EngineReplica("tiny", EngineConfig(max_batch=16), metrics_actor=None)
     yield replica

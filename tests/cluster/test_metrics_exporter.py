@@ -10,8 +10,8 @@ from prometheus_client import generate_latest
 from cluster.cli import cmd_status
 from cluster.http_tally import Tally
 from cluster.metrics import METRICS, MetricsExporter
-from replicas.monitor import ReplicaMonitor
-from replicas.stats import StepStats
+from replicas.telemetry.monitor import ReplicaMonitor
+from replicas.telemetry.step_stats import StepStats
 
 
 def sample(text: str, name: str, labels: str = "") -> float:

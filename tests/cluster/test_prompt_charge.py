@@ -10,7 +10,7 @@ import time
 import pytest
 
 from replicas.deployment import EngineReplica
-from replicas.settings import EngineConfig
+from replicas.engine_config import EngineConfig
 from test_ingress_path import answer
 from test_input_bounds import ingress_over
 

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.config import ConfigError, load_config
 from replicas.deployment import EngineReplica
-from replicas.settings import EngineConfig
+from replicas.engine_config import EngineConfig
 from test_ingress_path import PROMPT, answer
 from test_input_bounds import ingress_over
 

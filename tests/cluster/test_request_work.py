@@ -8,7 +8,7 @@ import json
 import pytest
 
 from replicas.deployment import EngineReplica
-from replicas.settings import EngineConfig
+from replicas.engine_config import EngineConfig
 from cluster.preprocess import MAX_CHARS_PER_TOKEN
 from test_ingress_path import PROMPT, answer, make_ingress as counting_ingress
 from test_input_bounds import completion, ingress_over, make_ingress

@@ -1,4 +1,4 @@
-"""One settings schema (replicas.settings) behind the engine, the cluster config and the CLI;
+"""One settings schema (replicas.engine_config) behind the engine, the cluster config and the CLI;
 typed messages and shared checks between the ingress and a replica."""
 
 import argparse
@@ -17,8 +17,8 @@ from cluster.config import ReplicaSettings, load_config
 from cluster.errors import APIError
 from replicas.deployment import EngineReplica
 from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams, request_problem
-from replicas.reports import ReplicaStats
-from replicas.settings import EngineConfig, resolve_algorithm
+from replicas.telemetry.reports import ReplicaStats
+from replicas.engine_config import EngineConfig, resolve_algorithm
 
 
 def command_options(command: str) -> dict[str, argparse.Action]:

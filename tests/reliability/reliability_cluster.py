@@ -31,7 +31,7 @@ class LiveCluster:
     def replicas(self, fresh_s: float = 5.0) -> dict[str, dict]:
         """The routing stats (pid and node included) of the replicas that reported in the
         last ``fresh_s`` seconds, by replica id (the metrics actor keeps a silent one's for
-        ``replicas.reports.stale_after_s``)."""
+        ``replicas.telemetry.reports.stale_after_s``)."""
         views = ray.get(self.metrics_actor().cluster_view.remote(), timeout=30)
         return {replica: view for replica, view in views.items() if view["age_s"] <= fresh_s}
 

@@ -7,8 +7,8 @@ import pytest
 from replicas.cost_model import RATE_WINDOW_S, REFIT_EVERY_STEPS, DrainModel, OnlineCostModel, mean_steps
 from replicas.engine import WARM_UP_SWEEPS
 from replicas.messages import SamplingParams
-from replicas.monitor import ReplicaMonitor
-from replicas.reports import ReplicaStats
+from replicas.telemetry.monitor import ReplicaMonitor
+from replicas.telemetry.reports import ReplicaStats
 
 
 def test_step_cost_is_fitted_by_least_squares():

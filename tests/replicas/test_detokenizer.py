@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from tools.bench.detokenize import byte_level_bpe as train_byte_level_bpe
 from replicas.detokenizer import CONTEXT_TOKENS, Detokenizer, held_suffix
-from replicas.output import OutputProcessor, text_decoder
+from replicas.commits import OutputProcessor, text_decoder
 from replicas.request import FinishReason, Request
 from replicas.messages import SamplingParams
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from replicas.attention import DenseAttentionContext
-from replicas.scheduled_batch import ScheduledBatch
+from replicas.step import ScheduledBatch
 from replicas.kv_cache import KVCache, PagePool
 from replicas.messages import SamplingParams
 from replicas.rows import RowTable

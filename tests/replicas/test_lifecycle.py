@@ -210,19 +210,19 @@ def test_a_whole_answer_wakes_the_caller_once_and_reports_each_block_in_the_engi
 
 
 def test_a_whole_answer_that_ends_early_keeps_the_blocks_it_committed(make_engine):
-    """A whole answer aborted after some blocks: its one chunk carries their ids, as the
-    streamed chunks joined would."""
+    """A whole answer aborted after some blocks: its chunks joined carry their ids."""
     engine = make_engine()
     chunks = []
 
-    def abort_after_the_first_block(steps, tokens):
+    def abort_after_the_first_block(chunk):
+        chunks.append(chunk)
         engine.abort(request_id)
 
-    request_id = engine.add_request("abc", SamplingParams(max_tokens=128, ignore_eos=True), on_output=chunks.append,
-                                    whole=True, on_progress=abort_after_the_first_block)
+    request_id = engine.add_request("abc", SamplingParams(max_tokens=128, ignore_eos=True),
+                                    on_output=abort_after_the_first_block, whole=True)
     while engine.has_work():
         engine.step()
-    [chunk] = chunks
+    chunk = joined(chunks)
     assert chunk.finished and chunk.finish_reason == "abort"
     block = engine.block_length
     assert 0 < len(chunk.token_ids) < 128 and len(chunk.token_ids) % block == 0

@@ -14,7 +14,7 @@ from replicas.engine import Engine, EngineConfig
 from replicas.memory import PoolSizingError, largest_step, page_bytes
 from replicas.messages import RequestError, SamplingParams
 from replicas.models import load_model
-from replicas.settings import ServingShape
+from replicas.engine_config import ServingShape
 
 TINY_PAGE = page_bytes(load_model("tiny").spec, torch.float32)
 

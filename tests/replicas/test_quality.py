@@ -10,7 +10,7 @@ import pytest
 from replicas.deployment import EngineReplica
 from replicas.messages import GenerateRequest, SamplingParams
 from replicas.quality import QualityKnob, QualityLevel
-from replicas.settings import EngineConfig
+from replicas.engine_config import EngineConfig
 
 LADDER = [QualityLevel("low_confidence", {"threshold": 0.9}, 0.5),
           QualityLevel("low_confidence", {"threshold": 0.8}, 0.9),

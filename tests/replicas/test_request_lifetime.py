@@ -1,7 +1,7 @@
 """Nothing is kept after a request ends: however it ended (finished, aborted, past its
 deadline, failed), no reference to its ``Request`` is left once it has, and reference
 counting alone frees it (no cycle waits for the garbage collector, whose full collections
-grow with what a replica keeps after its start-up heap is frozen: ``replicas.heap``)."""
+grow with what a replica keeps after its start-up heap is frozen: ``replicas.gc_freeze``)."""
 
 import asyncio
 import gc
@@ -17,7 +17,7 @@ from replicas.async_engine import AsyncEngine
 from replicas.engine import Engine
 from replicas.messages import SamplingParams
 from replicas.request import FinishReason
-from replicas.settings import EngineConfig
+from replicas.engine_config import EngineConfig
 from replicas.tiny import task
 from tests.replicas.step_spies import inject_faults
 

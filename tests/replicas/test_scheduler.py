@@ -13,7 +13,7 @@ from replicas.engine import Engine, EngineConfig
 from replicas.kv_cache import PagePool
 from replicas.request import FinishReason, Request
 from replicas.messages import SamplingParams
-from replicas.output import OutputProcessor
+from replicas.commits import OutputProcessor
 from replicas.rows import RowTable
 from replicas.scheduler import Scheduler
 from replicas.step import StepOutput

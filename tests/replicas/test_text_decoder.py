@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from replicas.models import load_tokenizer
-from replicas.output import text_decoder
+from replicas.commits import text_decoder
 
 CORPUS = ["Hello, world! It's a test .", "ünïcödé text, don't split ; ok ?", "numbers 12 345 and  spaces"] * 20
 

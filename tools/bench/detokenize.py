@@ -51,7 +51,7 @@ def _whole_again(decode: Callable, ids: Sequence[int], block: int) -> None:
 
 def bench_detokenize(lengths: Sequence[int] = (256, 4096), block: int = 32, rounds: int = 5,
                      tokenizer_dir: str | None = None) -> dict:
-    from replicas.output import text_decoder
+    from replicas.commits import text_decoder
 
     if tokenizer_dir:
         from transformers import AutoTokenizer

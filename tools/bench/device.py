@@ -11,7 +11,7 @@ from torch import nn
 
 from replicas.engine import EngineConfig, torch_dtype
 from replicas.models.spec import ModelSpec
-from replicas.settings import ServingShape
+from replicas.engine_config import ServingShape
 
 DEVICES = ("cpu", "cuda")
 

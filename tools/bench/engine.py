@@ -19,7 +19,7 @@ from tools.bench.prefix import random_sdar
 from tools.bench.replayed_forward import PacedReplay, RecordedForward, ReplayDiverged
 from replicas.cost_model import fit_step_cost
 from replicas.engine import Engine, EngineConfig
-from replicas.heap import settle_after_start_up
+from replicas.gc_freeze import settle_after_start_up
 from replicas.models import load_model, load_tokenizer
 from replicas.tiny import task
 
@@ -78,7 +78,7 @@ def bench_engine(model: str = "tiny", num_requests: int = 256, max_batch: int = 
     (max - min): a machine whose speed drifts during the run moves a whole round alike.
     A closed batch has no arrivals to wait for, so fdfo does not hold steps for them.
     Once the model is loaded the process's heap is settled as a serving replica's is
-    (``replicas.heap``: a process-wide ``gc.freeze``), so no full collection lands in a run.
+    (``replicas.gc_freeze``: a process-wide ``gc.freeze``), so no full collection lands in a run.
 
     The engine gets the prompts as token ids, as a replica gets them from the ingress.
     ``compute_ratio``: fdfo's forward seconds over its wall seconds (median over rounds).

@@ -17,7 +17,7 @@ from tools.capacity.live_calibration import CalibrationPlan, calibrate
 from loadgen.cli import add_endpoint_options, endpoint_from_args, positive_number, rate_list, run_command
 from loadgen.records import LoadgenError
 from replicas.batching import MODES
-from replicas.limits import SLO_HEADROOM
+from replicas.request_cost import SLO_HEADROOM
 
 
 def _target_options(parser: argparse.ArgumentParser, rates_flag: str) -> None:

@@ -10,7 +10,7 @@ fdfo holds under-filled steps for arrivals by ``replicas.fill_timeout.fdfo_hold`
 ``fdfo_fill_hold=False`` (as the engine); fixed_fill's timeout τ defaults to the analytic
 one (``replicas.fill_timeout.optimal_fill_timeout``).
 
-Modelled as in the cluster: a request is charged ``replicas.limits.request_cost`` (most
+Modelled as in the cluster: a request is charged ``replicas.request_cost.request_cost`` (most
 blocks x a steps-per-block quantile) row-steps at admission, released as its rows advance
 and in full when it ends; admission refuses when the cluster's outstanding charge would
 pass ``max_step_debt`` per replica (an idle cluster always admits); routing sends to the
@@ -40,7 +40,7 @@ import numpy as np
 from tools.capacity.calibration import Calibration, LoadCosts
 from replicas.batching import MODES, Phase, RowAction, SchedulerMode, batching_policy
 from replicas.fill_timeout import batch_capacity, fdfo_hold, optimal_fill_timeout
-from replicas.limits import request_cost, steps_quantile
+from replicas.request_cost import request_cost, steps_quantile
 from replicas.quality import QualityKnob, QualityLevel
 
 

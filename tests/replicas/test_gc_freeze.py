@@ -1,11 +1,11 @@
-"""A serving process's heap settled after start-up (``replicas.heap``)."""
+"""A serving process's heap settled after start-up (``replicas.gc_freeze``)."""
 
 import gc
 import weakref
 
 import pytest
 
-from replicas.heap import settle_after_start_up
+from replicas.gc_freeze import settle_after_start_up
 
 
 class Node:

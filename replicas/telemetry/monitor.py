@@ -25,9 +25,9 @@ import threading
 import time
 from collections import Counter, deque
 
-from replicas.calibration_log import CalibrationLog
+from replicas.telemetry.calibration_log import CalibrationLog
 from replicas.cost_model import OnlineCostModel
-from replicas.stats import StepStats
+from replicas.telemetry.step_stats import StepStats
 
 
 class ReplicaMonitor:
@@ -92,7 +92,7 @@ class ReplicaMonitor:
 
     def set_gauges(self, **gauges: float) -> None:
         """Current queue lengths, the KV pool's pages and size and prefix-cache counts, read
-        from the engine by the replica (``replicas.reports.ReplicaStats`` names them)."""
+        from the engine by the replica (``replicas.telemetry.reports.ReplicaStats`` names them)."""
         with self._lock:
             self._gauges.update(gauges)
 

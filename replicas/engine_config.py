@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 from replicas.batching import SchedulerMode
-from replicas.limits import max_request_cost
+from replicas.request_cost import max_request_cost
 
 if TYPE_CHECKING:
     from replicas.memory import PoolSize
