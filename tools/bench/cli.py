@@ -139,11 +139,6 @@ def add_engine_benches(targets) -> None:
     policies.add_argument("--slo-latency", type=float, default=1.0, help="latency SLO for goodput (s)")
     policies.add_argument("--fill-timeout", type=float, help="fixed_fill timeout in s (default: tuned online)")
     policies.add_argument("--seed", type=int, default=0)
-    for target in (engine, policies):
-        target.add_argument("--model", default="tiny")
-        target.add_argument("--max-batch", type=int, default=16)
-        target.add_argument("--json", action="store_true", help="one JSON object on one line")
-        target.set_defaults(func=cmd_bench)
 
     quality = targets.add_parser(
         "quality", help="accuracy, tokens per forward and tokens/s as the confidence bar is lowered",
@@ -164,10 +159,11 @@ def add_engine_benches(targets) -> None:
                          help="random weights of this architecture (42M-class SDAR, 1B-class LLaDA): tokens per "
                               "forward only")
     quality.add_argument("--plot", metavar="OUT.png", help="accuracy against tokens per forward (tiny model)")
-    quality.add_argument("--model", default="tiny")
-    quality.add_argument("--max-batch", type=int, default=16)
-    quality.add_argument("--json", action="store_true", help="one JSON object on one line")
-    quality.set_defaults(func=cmd_bench)
+    for target in (engine, policies, quality):
+        target.add_argument("--model", default="tiny")
+        target.add_argument("--max-batch", type=int, default=16)
+        target.add_argument("--json", action="store_true", help="one JSON object on one line")
+        target.set_defaults(func=cmd_bench)
 
     canvas = targets.add_parser(
         "canvas", help="full canvas (dual cache) vs block canvas tokens/s on a random 1B-class LLaDA")
