@@ -22,6 +22,7 @@ from replicas.models.dream import DreamModel
 from replicas.models.llada import LLaDAModelLM
 from replicas.models.llada2_moe import LLaDA2MoeModelLM
 from replicas.models.lora import LoraError, merge_delta, read_adapter
+from replicas.models.parallel import SINGLE, ShardingError, TensorParallel, shard_of
 from replicas.models.sdar import SDARForCausalLM
 from replicas.models.spec import ModelSpec
 from replicas.models.tiny import TinyDllmForBlockDiffusion
@@ -73,9 +74,9 @@ def _weights_left_uninitialised() -> Iterator[None]:
             setattr(nn.init, name, function)
 
 
-def _build(path: Path, overrides: dict | None) -> nn.Module:
+def _build(path: Path, overrides: dict | None, tp: TensorParallel = SINGLE) -> nn.Module:
     """The architecture named in config.json, on the meta device (no memory), with the
-    per-model defaults and ``overrides`` applied to its spec."""
+    per-model defaults and ``overrides`` applied to its spec (``tp``: one rank's share)."""
     raw = read_config(path)
     arch = (raw.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
@@ -83,9 +84,14 @@ def _build(path: Path, overrides: dict | None) -> nn.Module:
             f"{path}/config.json names architecture {arch!r}; supported: {sorted(ARCHITECTURES)}"
         )
     cls = ARCHITECTURES[arch]
+    if tp.size > 1 and cls is TinyDllmForBlockDiffusion:
+        raise CheckpointError(f"{arch} has no tensor-parallel layers; serve it with tensor_parallel_size 1")
     try:
         with torch.device("meta"), _weights_left_uninitialised():
-            net = cls(cls.config_class.from_dict(raw))
+            config = cls.config_class.from_dict(raw)
+            net = cls(config, tp) if tp.size > 1 else cls(config)
+    except ShardingError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}/config.json does not describe a {arch}: {exc}") from exc
     generation = path / "generation_config.json"
@@ -131,9 +137,17 @@ def _rename(net: nn.Module, name: str) -> str:
 
 
 def _read_state(path: Path, net: nn.Module, dtype: torch.dtype, device: str,
-                lora: str | Path | None) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, LoRA merged, under our parameter names."""
+                lora: str | Path | None, tp: TensorParallel = SINGLE) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, LoRA merged, under our parameter names; with
+    ``tp``, only this rank's part of each (``replicas.models.parallel.shard_of``), read as
+    such from the files."""
+    if lora and tp.size > 1:
+        raise LoraError("a LoRA adapter with tensor parallelism is not supported yet; merge it into the checkpoint")
     scale, deltas = read_adapter(lora) if lora else (0.0, {})
+    shape = getattr(net, "shape", None)
+    qkv = shape and (shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim,
+                     shape.num_kv_heads * shape.head_dim)
+    experts = getattr(net.config, "num_experts", None)
     unused = set(deltas)
     by_file = defaultdict(list)
     for name, file in weight_files(path).items():
@@ -145,11 +159,16 @@ def _read_state(path: Path, net: nn.Module, dtype: torch.dtype, device: str,
             for name in names:
                 if tied and name == "lm_head.weight":
                     continue  # a tied head is the embedding; some checkpoints store a copy
-                tensor = f.get_tensor(name)
+                ours = _rename(net, name)
+                piece = f.get_slice(name)
+                shard = shard_of(ours, tuple(piece.get_shape()), tp, qkv, experts)
+                if shard is None:
+                    continue  # another rank's
+                tensor = shard.read(piece, len(piece.get_shape())) if shard.ranges else f.get_tensor(name)
                 if name in deltas:
                     tensor = merge_delta(tensor, *deltas[name], scale)
                     unused.discard(name)
-                state[_rename(net, name)] = tensor.to(
+                state[ours] = tensor.to(
                     device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
     if unused:
         raise LoraError(f"LoRA adapter {lora} targets parameters the checkpoint lacks: {sorted(unused)[:5]}")
@@ -157,13 +176,15 @@ def _read_state(path: Path, net: nn.Module, dtype: torch.dtype, device: str,
 
 
 def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               lora: str | Path | None = None, overrides: dict | None = None) -> nn.Module:
+               lora: str | Path | None = None, overrides: dict | None = None,
+               tp: TensorParallel = SINGLE) -> nn.Module:
     """Build the architecture named in config.json and load its safetensors weights
-    (``lora``: a PEFT adapter directory merged into them; ``overrides``: model defaults)."""
+    (``lora``: a PEFT adapter directory merged into them; ``overrides``: model defaults;
+    ``tp``: this tensor-parallel rank's share only)."""
     path = resolve_path(model)
-    net = _build(path, overrides)
+    net = _build(path, overrides, tp)
     try:
-        state = _read_state(path, net, dtype, device, lora)
+        state = _read_state(path, net, dtype, device, lora, tp)
     except LoraError as exc:
         raise CheckpointError(str(exc)) from exc
     expected = set(net.state_dict())

@@ -7,11 +7,12 @@ position i is read from the output at position i - 1 (``ModelSpec.shift_logits``
 
 from __future__ import annotations
 
+from replicas.models.parallel import SINGLE, TensorParallel
 from replicas.models.transformer import DecoderLM, QwenStyleConfig
 
 
 class DreamModel(DecoderLM):
     config_class = QwenStyleConfig
 
-    def __init__(self, config: QwenStyleConfig):
-        super().__init__(config, config.decoder_shape(qkv_bias=True))
+    def __init__(self, config: QwenStyleConfig, tp: TensorParallel = SINGLE):
+        super().__init__(config, config.decoder_shape(qkv_bias=True), tp=tp)

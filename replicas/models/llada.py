@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from replicas.models.parallel import SINGLE, TensorParallel
 from replicas.models.spec import ConfigFields
 from replicas.models.transformer import DecoderLM, DecoderShape
 
@@ -52,7 +53,7 @@ class LLaDAModelLM(DecoderLM):
         (_BLOCK + r"ff_norm\.", r"model.layers.\1.post_attention_layernorm."),
     )
 
-    def __init__(self, config: LLaDAConfig):
+    def __init__(self, config: LLaDAConfig, tp: TensorParallel = SINGLE):
         shape = DecoderShape(
             vocab_size=config.embedding_size or config.vocab_size, hidden_size=config.d_model,
             num_layers=config.n_layers, num_heads=config.n_heads,
@@ -60,4 +61,4 @@ class LLaDAModelLM(DecoderLM):
             intermediate_size=config.mlp_hidden_size, rope_theta=config.rope_theta,
             rms_norm_eps=config.rms_norm_eps, max_positions=config.max_sequence_length,
             qkv_bias=config.include_bias or config.include_qkv_bias, tie_word_embeddings=config.weight_tying)
-        super().__init__(config, shape)
+        super().__init__(config, shape, tp=tp)

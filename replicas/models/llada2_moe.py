@@ -12,6 +12,10 @@ layers have a dense SwiGLU; the others a mixture of experts:
 * weights: the unbiased scores of the picked experts, renormalized to sum 1
   (``norm_topk_prob``), times ``routed_scaling_factor``.
 * plus ``num_shared_experts`` always-on shared experts (one SwiGLU).
+
+Under tensor parallelism each rank holds its run of whole routed experts (expert
+parallelism) and its slice of the shared experts and of the dense layers
+(``replicas.models.parallel``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch import nn
 
 from replicas.models.layers import SwiGLU
+from replicas.models.parallel import SINGLE, TensorParallel, local_experts
 from replicas.models.transformer import DecoderLM, QwenStyleConfig
 
 _LAYER = r"^model\.layers\.(\d+)\.attention\."
@@ -73,23 +78,28 @@ class MoEGate(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: LLaDA2MoeConfig):
+    def __init__(self, config: LLaDA2MoeConfig, tp: TensorParallel = SINGLE):
+        """This rank's routed experts (keyed by their ids: ``experts.E``, as checkpoints name
+        them) and its slice of the shared experts; the caller adds up the ranks' outputs."""
         super().__init__()
         self.gate = MoEGate(config)
-        self.experts = nn.ModuleList(
-            SwiGLU(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.experts = nn.ModuleDict({
+            str(e): SwiGLU(config.hidden_size, config.moe_intermediate_size)
+            for e in local_experts(config.num_experts, tp)})
         if config.num_shared_experts:
             shared = config.moe_shared_expert_intermediate_size or config.moe_intermediate_size * config.num_shared_experts
-            self.shared_experts = SwiGLU(config.hidden_size, shared)
+            self.shared_experts = SwiGLU(config.hidden_size, tp.split(shared, "the shared experts' width"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         experts, weights = self.gate(flat)
         out = torch.zeros_like(flat)
-        # one matmul per expert that has tokens this step (no fused MoE kernel yet)
+        # one matmul per expert of this rank that has tokens this step (no fused MoE kernel yet)
         for expert in experts.unique().tolist():
+            if str(expert) not in self.experts:
+                continue  # another rank's
             token, choice = (experts == expert).nonzero(as_tuple=True)  # choice: which of the top-k
-            contribution = self.experts[expert](flat[token]) * weights[token, choice, None].to(flat.dtype)
+            contribution = self.experts[str(expert)](flat[token]) * weights[token, choice, None].to(flat.dtype)
             out.index_add_(0, token, contribution)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(flat)
@@ -106,7 +116,7 @@ class LLaDA2MoeModelLM(DecoderLM):
         (_LAYER + r"key_layernorm\.", r"model.layers.\1.self_attn.k_norm."),
     )
 
-    def __init__(self, config: LLaDA2MoeConfig):
+    def __init__(self, config: LLaDA2MoeConfig, tp: TensorParallel = SINGLE):
         if config.score_function != "sigmoid":
             raise ValueError(f"LLaDA2MoeModelLM: score_function {config.score_function!r} is not supported")
         head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
@@ -115,7 +125,7 @@ class LLaDA2MoeModelLM(DecoderLM):
 
         def make_mlp(layer: int) -> nn.Module:
             if layer < config.first_k_dense_replace:
-                return SwiGLU(config.hidden_size, config.intermediate_size)
-            return SparseMoE(config)
+                return SwiGLU(config.hidden_size, tp.split(config.intermediate_size, "the MLP's width"))
+            return SparseMoE(config, tp)
 
-        super().__init__(config, shape, make_mlp)
+        super().__init__(config, shape, make_mlp, tp)

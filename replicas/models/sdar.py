@@ -7,11 +7,12 @@ have an exact KV cache.
 
 from __future__ import annotations
 
+from replicas.models.parallel import SINGLE, TensorParallel
 from replicas.models.transformer import DecoderLM, QwenStyleConfig
 
 
 class SDARForCausalLM(DecoderLM):
     config_class = QwenStyleConfig
 
-    def __init__(self, config: QwenStyleConfig):
-        super().__init__(config, config.decoder_shape(qk_norm=True))
+    def __init__(self, config: QwenStyleConfig, tp: TensorParallel = SINGLE):
+        super().__init__(config, config.decoder_shape(qk_norm=True), tp=tp)

@@ -8,17 +8,24 @@ architecture maps its checkpoint's own names onto these (``checkpoint_renames``)
 
 Attention goes through ``context.attend`` (replicas.attention), so which tokens a query
 sees (block-causal or bidirectional, cached or not) is decided by the runner.
+
+Built with a ``TensorParallel`` of size N (``replicas.models.parallel``), the stack is one
+rank's share: its heads, its slice of each MLP and of the vocabulary, added up across the
+ranks after each attention block and MLP.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from replicas.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from replicas.models.parallel import SINGLE, TensorParallel
 from replicas.models.spec import ConfigFields
 from replicas.models.defaults import default_spec
 
@@ -40,6 +47,31 @@ class DecoderShape:
     fused_qkv: bool = False  # one qkv_proj: rows [q heads | k heads | v heads]
     rotary_dim: int | None = None  # partial rotary; None = the whole head
     tie_word_embeddings: bool = False
+
+    def on_rank(self, tp: TensorParallel) -> "DecoderShape":
+        """The share of one tensor-parallel rank: its heads and its slice of the MLP (the
+        vocabulary stays whole here: ``VocabParallelEmbedding`` and the head split it)."""
+        if tp.size == 1:
+            return self
+        return dataclasses.replace(self, num_heads=tp.split(self.num_heads, "the attention heads"),
+                                   num_kv_heads=tp.split(self.num_kv_heads, "the KV heads"),
+                                   intermediate_size=tp.split(self.intermediate_size, "the MLP's width"))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """One rank's rows of the embedding: it looks up the ids in its share of the
+    vocabulary, zeros for the others, and the ranks' all-reduce completes every row."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
+        super().__init__(tp.split(vocab_size, "the vocabulary"), hidden_size)
+        self.tp = tp
+        self.start = tp.rank * self.num_embeddings
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(x)
 
 
 class Attention(nn.Module):
@@ -79,25 +111,30 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, mlp: nn.Module):
+    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, mlp: nn.Module,
+                 tp: TensorParallel = SINGLE):
+        """``shape``: this rank's (``DecoderShape.on_rank``)."""
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.self_attn = Attention(shape, layer_index, rotary)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = mlp
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, context)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), positions, context))
+        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, shape: DecoderShape, make_mlp: Callable[[int], nn.Module]):
+    def __init__(self, shape: DecoderShape, make_mlp: Callable[[int], nn.Module], tp: TensorParallel = SINGLE):
         super().__init__()
         rotary = RotaryEmbedding(shape.head_dim, shape.rope_theta, shape.rotary_dim)
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.embed_tokens = (nn.Embedding(shape.vocab_size, shape.hidden_size) if tp.size == 1
+                             else VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp))
+        local = shape.on_rank(tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(shape, i, rotary, make_mlp(i)) for i in range(shape.num_layers))
+            DecoderLayer(local, i, rotary, make_mlp(i), tp) for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
 
@@ -109,14 +146,20 @@ class DecoderLM(nn.Module):
     # (checkpoint name pattern, our name) regex pairs, applied in order by the loader
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
-    def __init__(self, config, shape: DecoderShape, make_mlp: Callable[[int], nn.Module] | None = None):
+    def __init__(self, config, shape: DecoderShape, make_mlp: Callable[[int], nn.Module] | None = None,
+                 tp: TensorParallel = SINGLE):
+        """``shape``: the whole model's; ``make_mlp(layer)``: this rank's MLP of that layer
+        (default: its share of a dense SwiGLU)."""
         super().__init__()
         self.config = config
         self.shape = shape
+        self.tp = tp
         self.spec = default_spec(type(self).__name__, config, shape)
-        self.model = DecoderBody(shape, make_mlp or (lambda i: SwiGLU(shape.hidden_size, shape.intermediate_size)))
+        local = shape.on_rank(tp)
+        self.model = DecoderBody(shape, make_mlp or (lambda i: SwiGLU(shape.hidden_size, local.intermediate_size)),
+                                 tp)
         if not shape.tie_word_embeddings:
-            self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+            self.lm_head = nn.Linear(shape.hidden_size, tp.split(shape.vocab_size, "the vocabulary"), bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,7 +172,7 @@ class DecoderLM(nn.Module):
             x = x[logits_index]
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if self.shape.tie_word_embeddings else self.lm_head.weight
-        return x @ head.T
+        return self.tp.gather_last(x @ head.T)
 
 
 @dataclass
