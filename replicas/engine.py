@@ -30,7 +30,10 @@ from replicas.cost_model import OnlineCostModel
 from replicas.attention import resolve_backend
 from replicas.kv_cache import PagePool
 from replicas.models import load_model, load_tokenizer
-from replicas.memory import allocate_pool, plan_pool
+from replicas.kv_cache import KVCache
+from replicas.memory import PoolSize, allocate_pool, plan_pool
+from replicas.models.parallel import SINGLE
+from replicas.tensor_parallel import ForwardBroadcast, agreed_pool, follow
 from replicas.messages import (INFILL_NEEDS, GenerateChunk, GenerateRequest, RequestError, SamplingParams, joined,
                                request_problem, resume_problem, text_at_end)
 from replicas.executor import ForwardFailed, StepExecutor
@@ -60,6 +63,28 @@ def torch_dtype(config: EngineConfig) -> torch.dtype:
     return DTYPES[config.dtype]
 
 
+def on_device_with_pool(model: torch.nn.Module, config: EngineConfig,
+                        wanted: ServingShape) -> tuple[torch.nn.Module, PoolSize, KVCache]:
+    """``model`` on the configured device and dtype, its pool's size and its pool (a
+    tensor-parallel rank's: its KV heads, as many pages as every rank has room for)."""
+    device, dtype, spec = torch.device(config.device), torch_dtype(config), model.spec
+    model = model.to(device=device, dtype=dtype).eval()
+    memory = plan_pool(model, config, spec, wanted, resolve_backend(config.attention_backend, device, dtype),
+                       refreshes_rows(spec, config.kv_cache))
+    memory = agreed_pool(memory, getattr(model, "tp", SINGLE), device)
+    return model, memory, allocate_pool(spec, memory, dtype, device)
+
+
+def follow_as_rank(model: torch.nn.Module, config: EngineConfig) -> int:
+    """A tensor-parallel rank other than 0 (``model``: its share): size its pool as rank 0
+    does, then run the forwards rank 0 sends until it closes (``replicas.tensor_parallel``);
+    returns how many ran."""
+    model, _, kv_cache = on_device_with_pool(model, config, ServingShape.of(config, model.spec))
+    device = torch.device(config.device)
+    return follow(model, kv_cache, resolve_backend(config.attention_backend, device, torch_dtype(config)),
+                  model.tp, device)
+
+
 @dataclass(frozen=True)
 class Abort:
     """An abort in the engine's inbox (a request in it is an add)."""
@@ -84,18 +109,17 @@ class Engine:
         wanted = ServingShape.of(config, spec)  # validates the settings before anything is sized
         default_name, default_params = resolve_algorithm(config, spec)
         get_algorithm(default_name).make_params(default_params)  # validate early
-        device = torch.device(config.device)
-        dtype = torch_dtype(config)
-        self.model = model.to(device=device, dtype=dtype).eval()
-        self.memory = plan_pool(self.model, config, spec, wanted, resolve_backend(config.attention_backend, device, dtype),
-                                refreshes_rows(spec, config.kv_cache))
+        self.model, self.memory, kv_cache = on_device_with_pool(model, config, wanted)
         log.info("%s", self.memory.summary())
         self.shape = shape = ServingShape.of(config, spec, self.memory)
         self.pool = PagePool(shape.num_pages, PrefixCache() if shape.prefix_cache else None)
         self.rows = RowTable(config.max_batch, shape.max_pages_per_request, size, pad_id=spec.eos_token_id)
-        kv_cache = allocate_pool(spec, self.memory, dtype, device)
+        device = torch.device(config.device)
         self.runner = ModelRunner(self.model, self.rows, kv_cache, device, config.kv_cache,
                                   config.attention_backend, shape.canvas)
+        tp = getattr(model, "tp", SINGLE)
+        if tp.size > 1:  # the other ranks run each forward with it (``follow_as_rank``)
+            self.runner.broadcast = ForwardBroadcast(tp, device)
         self.executor = StepExecutor(self.runner, self.rows, spec.mask_token_id, config.fused_commit)
         self.cost_model = OnlineCostModel(config.max_batch, clock=clock)
         self.outputs = OutputProcessor(tokenizer, spec.end_token_ids)

@@ -107,6 +107,7 @@ class ModelRunner:
         pages = max(kv_cache.k[0].shape[0] // self.block_length, rows.max_pages)
         self._page_positions = np.arange(pages)[:, None] * self.block_length + self._offsets
         self._first_logits: torch.Tensor | None = None  # [rows, V]: shifted models' first logit
+        self.broadcast = None  # a tensor-parallel rank 0's channel to the other ranks (``replicas.tensor_parallel``)
 
     def _refreshed(self, batch: ScheduledBatch) -> np.ndarray | None:
         """[R] bool over block units: recompute the row's whole sequence this step (a
@@ -211,6 +212,8 @@ class ModelRunner:
             # prompt chunks only, which the first block step recomputes: nothing to run
             return torch.empty(0, self.block_length, self.model.spec.vocab_size), ForwardTimer()
         input_ids, positions, layout, logits_index = self.build_inputs(batch, refreshed)
+        if self.broadcast is not None:
+            self.broadcast.send(input_ids, positions, layout, logits_index)
         timer = ForwardTimer(self.device)
         context = paged_context(self.backend, layout, self.kv_cache.k, self.kv_cache.v, self.block_length)
         logits = self.model(to_device(input_ids, self.device), to_device(positions, self.device), context,

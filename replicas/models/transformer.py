@@ -154,8 +154,8 @@ class DecoderLM(nn.Module):
         self.config = config
         self.shape = shape
         self.tp = tp
-        self.spec = default_spec(type(self).__name__, config, shape)
         local = shape.on_rank(tp)
+        self.spec = default_spec(type(self).__name__, config, local)  # its KV heads: this rank's
         self.model = DecoderBody(shape, make_mlp or (lambda i: SwiGLU(shape.hidden_size, local.intermediate_size)),
                                  tp)
         if not shape.tie_word_embeddings:

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from replicas.attention import DenseAttentionContext
-from replicas.models.checkpoint import CheckpointError, load_model
+from replicas.engine import Engine, follow_as_rank
+from replicas.engine_config import EngineConfig
+from replicas.messages import SamplingParams
+from replicas.models.checkpoint import CheckpointError, load_model, load_tokenizer
 from replicas.models.parallel import TensorParallel
 from tests.replicas.models.checkpoint_builders import CHECKPOINTS, OVERRIDES, write_checkpoint
 from tests.replicas.models.tensor_parallel_ranks import on_ranks
@@ -43,3 +46,33 @@ def test_a_model_whose_heads_do_not_split_is_refused_with_the_reason(tmp_path):
     checkpoint = write_checkpoint(tmp_path / "sdar", "SDARForCausalLM")
     with pytest.raises(CheckpointError, match=r"the KV heads \(2\) does not split evenly over 4"):
         load_model(checkpoint, overrides=OVERRIDES["SDARForCausalLM"], tp=TensorParallel(0, 4))
+
+
+PROMPTS = [[5, 17, 42, 99, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7, 8], [200, 100, 50, 25, 12, 6]]
+
+
+def answers_on(tp: TensorParallel, checkpoint: Path, arch: str) -> list[list[int]] | int:
+    """Rank 0: the engine's answers to ``PROMPTS`` (two blocks each, in one batch), its
+    forwards broadcast to the other ranks; another rank: how many forwards it followed."""
+    config = EngineConfig(model_overrides=OVERRIDES[arch], max_batch=4)
+    model = load_model(checkpoint, overrides=OVERRIDES[arch], tp=tp)
+    if tp.rank:
+        return follow_as_rank(model, config)
+    engine = Engine(model, load_tokenizer(checkpoint), config)
+    try:
+        params = SamplingParams(max_tokens=2 * engine.block_length, ignore_eos=True)
+        return [chunk.token_ids for chunk in engine.generate(PROMPTS, params)]
+    finally:
+        engine.runner.broadcast.close()
+
+
+@pytest.mark.parametrize("arch", sorted(CHECKPOINTS))
+def test_an_engine_over_two_ranks_answers_as_over_one(tmp_path, arch):
+    checkpoint = write_checkpoint(tmp_path / arch, arch)
+    config = EngineConfig(model_overrides=OVERRIDES[arch], max_batch=4)
+    alone = Engine.from_pretrained(str(checkpoint), config)
+    expected = [c.token_ids for c in alone.generate(PROMPTS, SamplingParams(max_tokens=2 * alone.block_length,
+                                                                            ignore_eos=True))]
+    answers, followed = on_ranks(2, answers_on, checkpoint, arch)
+    assert answers == expected
+    assert followed >= 2  # at least one forward per block
