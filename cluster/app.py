@@ -37,7 +37,8 @@ def size_for_node(config: AppConfig, cores: int, engines_on_node: int) -> AppCon
       ``control_plane_cores``: 1 core on <= 4 cores, else 2, and runs one ingress replica
       per control-plane core (``ingress.replicas``).
     * The engines share the other cores equally: ``replica.num_cpus`` = (cores - control
-      cores) / engines_on_node (whole CPUs above 1, as Ray wants), and
+      cores) / (engines_on_node x ``replica.tensor_parallel_size``: each rank of a replica
+      reserves it) (whole CPUs above 1, as Ray wants), and
       ``replica.torch_threads`` = the whole CPUs a replica reserves, at least 1, so that no
       engine's threads spill onto the control plane's core. On a GPU node the engine's
       Python thread is what feeds the GPU: its reserved core matters more than torch's
@@ -53,7 +54,8 @@ def size_for_node(config: AppConfig, cores: int, engines_on_node: int) -> AppCon
     replica = config.replica
     num_cpus = replica.num_cpus
     if num_cpus is None:
-        share = max(cores - control_plane_cores(cores), 1) / max(engines_on_node, 1)
+        # a tensor-parallel replica's every rank reserves num_cpus
+        share = max(cores - control_plane_cores(cores), 1) / max(engines_on_node * replica.tensor_parallel_size, 1)
         num_cpus = float(math.floor(share)) if share >= 1 else max(0.01, math.floor(share * 100) / 100)
     threads = replica.torch_threads or max(1, math.floor(num_cpus))
     ingress = config.ingress.replicas or control_plane_cores(cores)
@@ -99,6 +101,12 @@ def replica_deployment_options(config: AppConfig) -> dict:
         }
     else:
         options["num_replicas"] = scaling.min_replicas
+    ranks = config.replica.tensor_parallel_size
+    if ranks > 1:  # one bundle a rank, on one node: the replica's process is rank 0, in the first
+        bundle = {"CPU": config.replica.num_cpus or 1.0, **({"GPU": config.replica.num_gpus}
+                                                            if config.replica.num_gpus else {})}
+        options["placement_group_bundles"] = [bundle] * ranks
+        options["placement_group_strategy"] = "STRICT_PACK"
     return options
 
 
@@ -142,6 +150,7 @@ def build_app(config: AppConfig):
         stall_timeout_s=config.replica.stall_timeout_s,
         unhealthy_after_failed_steps=config.replica.unhealthy_after_failed_steps,
         quality=config.quality_knob(),
+        rank_resources={"num_cpus": config.replica.num_cpus, "num_gpus": config.replica.num_gpus},
     )
     ingress = serve.deployment(Ingress).options(**ingress_deployment_options(config))
     return ingress.bind(replica, app_args(config))

@@ -105,25 +105,30 @@ def serve_config(config: AppConfig) -> dict:
 
 def sized_for_workers(config: AppConfig) -> AppConfig:
     """The settings left unset sized for one worker pod (``cluster.app.size_for_node``): a GPU
-    pod holds as many engines as it has GPUs for, a CPU pod one, unless replica.num_cpus says."""
-    gpus = config.replica.num_gpus
+    pod holds as many engines as it has GPUs for (each tensor-parallel rank a replica's
+    ``num_gpus``), a CPU pod one, unless replica.num_cpus says."""
+    gpus = config.replica.num_gpus * config.replica.tensor_parallel_size
     engines = max(1, int(config.kubernetes.worker_gpus // gpus)) if gpus > 0 else 1
     return size_for_node(config, config.kubernetes.worker_cpus, engines)
 
 
 def worker_pods(config: AppConfig, replicas: int) -> int:
     """Worker pods that hold ``replicas`` engine replicas (and, on one of them, the ingress
-    replicas); ``config`` is sized (``sized_for_workers``)."""
+    replicas); ``config`` is sized (``sized_for_workers``). A tensor-parallel replica's ranks
+    share one pod (its placement group is packed on one node), each with the replica's
+    ``num_cpus`` and ``num_gpus``."""
     k8s, replica = config.kubernetes, config.replica
+    ranks = replica.tensor_parallel_size
     ingress = ingress_deployment_options(config)
     ingress_cpus = ingress["num_replicas"] * ingress["ray_actor_options"]["num_cpus"]
-    per_pod = math.floor((k8s.worker_cpus - ingress_cpus) / replica.num_cpus)
+    per_pod = math.floor((k8s.worker_cpus - ingress_cpus) / (replica.num_cpus * ranks))
     if replica.num_gpus > 0:
-        per_pod = min(per_pod, math.floor(k8s.worker_gpus / replica.num_gpus))
+        per_pod = min(per_pod, math.floor(k8s.worker_gpus / (replica.num_gpus * ranks)))
     if per_pod < 1:
         raise ConfigError(
             f"a worker pod (kubernetes.worker_cpus={k8s.worker_cpus}, worker_gpus={k8s.worker_gpus}) cannot hold "
-            f"one replica (replica.num_cpus={replica.num_cpus}, num_gpus={replica.num_gpus}) and the ingress")
+            f"one replica (replica.num_cpus={replica.num_cpus}, num_gpus={replica.num_gpus}, "
+            f"tensor_parallel_size={ranks}) and the ingress")
     return math.ceil(replicas / per_pod)
 
 

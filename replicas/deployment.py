@@ -21,6 +21,8 @@ import torch
 
 from replicas.async_engine import AsyncEngine
 from replicas.engine import Engine
+from replicas.models.parallel import SINGLE, TensorParallel
+from replicas.tensor_parallel import join_group
 from replicas.gc_freeze import settle_after_start_up
 from replicas.request_cost import aligned_head, request_cost
 from replicas.messages import GenerateChunk, GenerateRequest, RequestError, SamplingParams
@@ -39,12 +41,18 @@ class EngineReplica:
     def __init__(self, model: str, config: EngineConfig, metrics_actor: dict | None = None,
                  stats_period_s: float = 0.5, initial_row_steps_per_s: float = 500.0,
                  torch_threads: int | None = None, stall_timeout_s: float = 30.0,
-                 unhealthy_after_failed_steps: int = 3, quality: QualityKnob | None = None):
-        """``quality``: the load knob (``replicas.quality``); None: requests always run as asked."""
+                 unhealthy_after_failed_steps: int = 3, quality: QualityKnob | None = None,
+                 rank_resources: dict | None = None):
+        """``quality``: the load knob (``replicas.quality``); None: requests always run as asked.
+        ``rank_resources``: what each of the other tensor-parallel ranks reserves
+        (``num_cpus``, ``num_gpus``) in the deployment's placement group."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.replica_id = self._replica_tag()
-        engine = Engine.from_pretrained(model, config, name=self.replica_id)
+        tp, self._ranks = SINGLE, None
+        if config.tensor_parallel_size > 1:
+            tp, self._ranks = self._start_ranks(model, config, rank_resources or {}, torch_threads)
+        engine = Engine.from_pretrained(model, config, name=self.replica_id, tp=tp)
         engine.warm_up()  # the first report carries a measured step cost: admission is right from the start
         self.engine = engine
         self.monitor = ReplicaMonitor(initial_row_steps_per_s, cost_model=engine.cost_model,
@@ -61,6 +69,34 @@ class EngineReplica:
                                           name="dllm-stats", daemon=True)
         self._reporter.start()
         settle_after_start_up()
+
+    @staticmethod
+    def _start_ranks(model: str, config: EngineConfig, resources: dict,
+                     torch_threads: int | None) -> tuple[TensorParallel, tuple[list, list]]:
+        """Start ranks 1..N-1 (``replicas.rank_workers``) and join them as rank 0."""
+        from replicas.rank_workers import rendezvous_address, start_ranks
+
+        address = rendezvous_address()
+        ranks = start_ranks(model, config, address, resources.get("num_cpus", 1.0), resources.get("num_gpus", 0.0),
+                            torch_threads)
+        log.info("tensor-parallel replica: %d ranks, rendezvous at %s", config.tensor_parallel_size, address)
+        return join_group(0, config.tensor_parallel_size, address, torch.device(config.device)), ranks
+
+    def _check_ranks(self) -> None:
+        """Raise if another tensor-parallel rank has exited (its forwards cannot run)."""
+        if self._ranks is None:
+            return
+        import ray
+
+        _, runs = self._ranks
+        ended, _ = ray.wait(runs, num_returns=1, timeout=0)
+        if ended:
+            try:
+                ray.get(ended[0])
+                why = "it stopped following"
+            except Exception as exc:  # its actor died, or its loop raised
+                why = f"{type(exc).__name__}: {str(exc)[:200]}"
+            raise RuntimeError(f"tensor-parallel rank {runs.index(ended[0]) + 1} exited: {why}")
 
     @staticmethod
     def _replica_tag() -> str:
@@ -185,6 +221,7 @@ class EngineReplica:
         is what tells a broken engine from one bad step."""
         if not self.async_engine.alive:
             raise RuntimeError("the engine loop thread has died")
+        self._check_ranks()
         stalled = self.async_engine.stalled_for()
         if stalled > self.stall_timeout_s:
             raise RuntimeError(f"the engine loop has not finished a step for {stalled:.0f} s with work pending")
@@ -224,6 +261,11 @@ class EngineReplica:
         async_engine = getattr(self, "async_engine", None)
         if async_engine is not None:
             async_engine.shutdown(drain_timeout=5.0)
+        if getattr(self, "_ranks", None) is not None:  # the other ranks end with this one
+            import ray
+
+            for worker in self._ranks[0]:
+                ray.kill(worker)
 
     # ---- metrics push ------------------------------------------------------------------
     def _report_loop(self, period_s: float) -> None:

@@ -32,7 +32,7 @@ from replicas.kv_cache import PagePool
 from replicas.models import load_model, load_tokenizer
 from replicas.kv_cache import KVCache
 from replicas.memory import PoolSize, allocate_pool, plan_pool
-from replicas.models.parallel import SINGLE
+from replicas.models.parallel import SINGLE, TensorParallel
 from replicas.tensor_parallel import ForwardBroadcast, agreed_pool, follow
 from replicas.messages import (INFILL_NEEDS, GenerateChunk, GenerateRequest, RequestError, SamplingParams, joined,
                                request_problem, resume_problem, text_at_end)
@@ -73,6 +73,12 @@ def on_device_with_pool(model: torch.nn.Module, config: EngineConfig,
                        refreshes_rows(spec, config.kv_cache))
     memory = agreed_pool(memory, getattr(model, "tp", SINGLE), device)
     return model, memory, allocate_pool(spec, memory, dtype, device)
+
+
+def load_share(model: str, config: EngineConfig, tp: TensorParallel = SINGLE) -> torch.nn.Module:
+    """The checkpoint ``model`` as ``config`` asks for it: ``tp``'s rank's share."""
+    return load_model(model, torch_dtype(config), config.device, lora=config.lora, overrides=config.model_overrides,
+                      tp=tp)
 
 
 def follow_as_rank(model: torch.nn.Module, config: EngineConfig) -> int:
@@ -138,11 +144,11 @@ class Engine:
         self._kept_algorithm = functools.lru_cache(maxsize=ALGORITHM_CHOICES_KEPT)(self._resolve_algorithm)
 
     @classmethod
-    def from_pretrained(cls, model: str = "tiny", config: EngineConfig | None = None, name: str = "local") -> "Engine":
+    def from_pretrained(cls, model: str = "tiny", config: EngineConfig | None = None, name: str = "local",
+                        tp: TensorParallel = SINGLE) -> "Engine":
+        """``tp``: rank 0 of a tensor-parallel group (the other ranks ``follow_as_rank``)."""
         config = config or EngineConfig()
-        net = load_model(model, torch_dtype(config), config.device, lora=config.lora,
-                         overrides=config.model_overrides)
-        return cls(net, load_tokenizer(model), config, name=name)
+        return cls(load_share(model, config, tp), load_tokenizer(model), config, name=name)
 
     # ---- requests ---------------------------------------------------------------
     def encode(self, prompt: str | list[str]) -> list[int] | list[list[int]]:

@@ -69,6 +69,11 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "sdpa", "flash"] = Field(
         "auto", description="attention kernel: 'flash' is vllm-flash-attn (CUDA, the gpu extra); auto picks it when usable")
     lora: str | None = Field(None, description="PEFT LoRA adapter directory merged into the weights at load")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64,
+        description="ranks one replica's model is split over (one device each, packed on one node): attention "
+                    "heads, MLPs and the vocabulary split, a MoE's experts distributed (LLaDA, Dream, SDAR, "
+                    "LLaDA2.0); torch.distributed between them, NCCL on CUDA, gloo on CPU")
     model_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="per-model defaults to override: block_length, mask_token_id, eos_token_id, stop_token_ids, "

@@ -15,6 +15,7 @@ The ranks size their pools alike (``agreed_pool``): each plans as a single repli
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from replicas.kv_cache import KVCache
 from replicas.memory import PoolSize
 from replicas.models.parallel import TensorParallel
 
+GROUP_TIMEOUT_S = 120.0  # a collective waiting this long for a rank fails (a dead rank ends its replica)
 _FORWARD, _CLOSE = 1, 0
 _TENSORS = 7  # input ids, positions, the layout's four, the logits' positions
 _HEADER = 1 + 2 * _TENSORS  # the command, then each tensor's two dimensions (-1: none)
@@ -93,3 +95,14 @@ def agreed_pool(size: PoolSize, tp: TensorParallel, device: torch.device) -> Poo
     pages = torch.tensor([size.num_pages], dtype=torch.int64, device=device)
     dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=tp.group)
     return dataclasses.replace(size, num_pages=int(pages.item()))
+
+
+def join_group(rank: int, size: int, address: str, device: torch.device) -> TensorParallel:
+    """Join the replica's ``size`` ranks as ``rank`` (rendezvous at ``address``, host:port,
+    which rank 0 listens on): NCCL on CUDA, gloo elsewhere."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    return TensorParallel(rank, size, dist.group.WORLD)

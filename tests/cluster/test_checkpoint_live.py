@@ -1,15 +1,17 @@
-"""`dllm-serve up --model DIR` serving a checkpoint directory (a random LLaDA, built here),
-over HTTP with the openai client: infilling with ``suffix``."""
+"""`dllm-serve up --model DIR` serving a checkpoint directory (a random LLaDA, built here)
+over two tensor-parallel ranks (gloo), over HTTP with the openai client: infilling with
+``suffix``, answered as one process's engine answers."""
 
 import openai
 import pytest
 
+from cluster.request_path import processes_mentioning
 from live_up import start_cluster, stop_cluster
 from replicas.engine import Engine, EngineConfig
 from replicas.messages import SamplingParams
 from tests.replicas.models.checkpoint_builders import write_checkpoint
 
-REPLICA = {"max_batch": 2, "torch_threads": 1}
+REPLICA = {"max_batch": 2, "torch_threads": 1, "tensor_parallel_size": 2}
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +32,9 @@ def test_a_suffix_is_filled_in_before(llada):
     plain = client.completions.create(**asked)
     assert infill.choices[0].finish_reason == "length" and infill.usage.completion_tokens == 32
     assert infill.choices[0].text != plain.choices[0].text  # what comes after shapes the answer
+    assert processes_mentioning("ray::RankWorker")  # rank 1, beside the replica's own process
 
-    engine = Engine.from_pretrained(str(path), EngineConfig(**{k: v for k, v in REPLICA.items() if k != "torch_threads"}))
+    engine = Engine.from_pretrained(str(path), EngineConfig(max_batch=REPLICA["max_batch"]))  # one process
     suffix_ids = tuple(engine.encode("\nprint(add(1, 2))"))
     [offline] = engine.generate([asked["prompt"]], SamplingParams(
         max_tokens=32, ignore_eos=True, suffix_ids=suffix_ids, algorithm_params={"temperature": 0.0}))

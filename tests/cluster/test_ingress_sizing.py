@@ -100,3 +100,20 @@ def test_ingress_replicas_count_against_the_worker_pod():
                                     "autoscaling.max_replicas": 2})
     workers = rayservice(config)["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     assert workers["maxReplicas"] == 1  # 4 CPUs - 4 x 0.5 for the ingress leave room for 2 engines
+
+
+def test_a_tensor_parallel_replica_gets_one_bundle_a_rank_packed_in_one_gpu_pod():
+    config = load_config(overrides={"replica.device": "cuda", "replica.num_gpus": 1, "replica.tensor_parallel_size": 2,
+                                    "kubernetes.worker_cpus": 16, "kubernetes.worker_gpus": 8,
+                                    "autoscaling.max_replicas": 6})
+    service = rayservice(config)
+    serve = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve)
+    engine = next(d for d in serve["applications"][0]["deployments"] if d["name"] == "EngineReplica")
+    bundle = engine["placement_group_bundles"][0]
+    assert len(engine["placement_group_bundles"]) == 2 and engine["placement_group_strategy"] == "STRICT_PACK"
+    assert bundle["GPU"] == 1 and bundle["CPU"] == engine["ray_actor_options"]["num_cpus"]
+    workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert workers["maxReplicas"] == 2  # four 2-GPU replicas a pod of 8 GPUs: 6 replicas, 2 pods
+    assert "placement_group_bundles" not in serve_config(sized_for_workers(load_config()))["applications"][0][
+        "deployments"][0]
