@@ -71,6 +71,12 @@ def cmd_bench(args) -> int:
                  "sdar": dict(hidden=args.d_model, layers=args.layers, heads=heads, vocab=args.vocab)}
         result = bench_forward(tuple(args.architectures), tuple(args.batch_sizes), args.prompt_len, args.max_tokens,
                                args.steps, args.rounds, device=args.device, dtype=args.dtype, **shape)
+    elif args.target == "tp":
+        from tools.bench.tp import bench_tp
+
+        result = bench_tp(tuple(args.sizes), tuple(args.batch_sizes), d_model=args.d_model, layers=args.layers,
+                          heads=args.heads, mlp=args.mlp, vocab=args.vocab, steps=args.steps,
+                          prompt_len=args.prompt_len, max_tokens=args.max_tokens, rounds=args.rounds)
     elif args.target == "canvas":
         from tools.bench.canvas import bench_canvas
 
@@ -177,6 +183,27 @@ def add_engine_benches(targets) -> None:
     canvas.add_argument("--layers", type=int, default=16, help="transformer layers (default 16)")
     canvas.add_argument("--json", action="store_true", help="one JSON object on one line")
     canvas.set_defaults(func=cmd_bench)
+
+    tp = targets.add_parser(
+        "tp", help="an engine step at tensor-parallel sizes 1 and 2 (gloo CPU ranks): compute, collectives, host",
+        description="A random LLaDA answers a closed batch with fixed_steps at each tensor-parallel size (ranks "
+                    "are processes on this machine joined by gloo, one torch thread each); per step on rank 0: "
+                    "wall time, compute (the forward less its collectives), collectives (the all-reduces and the "
+                    "logits' all-gather, waits included) and host work (the rest of the step), medians over the "
+                    "rounds, and the collectives' share of the step.")
+    tp.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (default: 1 2)")
+    tp.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="(default: 1 16)")
+    tp.add_argument("--d-model", type=int, default=512, help="hidden size (default 512)")
+    tp.add_argument("--layers", type=int, default=8, help="transformer layers (default 8)")
+    tp.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    tp.add_argument("--mlp", type=int, default=1376, help="MLP width (default 1376)")
+    tp.add_argument("--vocab", type=int, default=320, help="vocabulary (default 320)")
+    tp.add_argument("--steps", type=int, default=4, help="fixed_steps forwards per block (default 4)")
+    tp.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
+    tp.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default 128)")
+    tp.add_argument("--rounds", type=int, default=3, help="timed runs per setting; medians (default 3)")
+    tp.add_argument("--json", action="store_true", help="one JSON object on one line")
+    tp.set_defaults(func=cmd_bench)
 
     forward = targets.add_parser(
         "forward", help="the engine's forward vs a plain reference forward of the same weights, per architecture",

@@ -14,7 +14,7 @@ from replicas.messages import SamplingParams
 from replicas.models.checkpoint import CheckpointError, load_model, load_tokenizer
 from replicas.models.parallel import TensorParallel
 from tests.replicas.models.checkpoint_builders import CHECKPOINTS, OVERRIDES, write_checkpoint
-from tests.replicas.models.tensor_parallel_ranks import on_ranks
+from tools.bench.local_ranks import on_ranks
 
 TOKENS = torch.tensor([[5, 17, 42, 99, 3, 250, 250, 250, 250, 7, 8, 9], [11, 12, 13, 14, 250, 250, 250, 250, 1, 2, 3, 4]])
 

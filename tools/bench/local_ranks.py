@@ -1,4 +1,5 @@
-"""Run a function on N CPU ranks joined by gloo, each in a process of its own (spawned)."""
+"""Run a function on N CPU ranks on this machine joined by gloo, each in a process of its own
+(spawned): the tensor-parallel benches and tests, without Ray."""
 
 from __future__ import annotations
 
