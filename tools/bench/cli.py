@@ -46,6 +46,17 @@ def _calibration_writer(path: str | None, max_batch: int):
     return write
 
 
+def _add_workload_options(parser, batch_sizes: list[int], steps: int, rounds: int, rounds_help: str) -> None:
+    """The closed-batch workload of the random-weight benches: batch sizes, prompt and
+    answer lengths, fixed_steps forwards per block, rounds."""
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=batch_sizes,
+                        help=f"(default: {' '.join(map(str, batch_sizes))})")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default 128)")
+    parser.add_argument("--steps", type=int, default=steps, help=f"fixed_steps forwards per block (default {steps})")
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"{rounds_help} (default {rounds})")
+
+
 def cmd_bench(args) -> int:
     if args.target == "engine":
         from tools.bench.engine import bench_engine
@@ -173,12 +184,8 @@ def add_engine_benches(targets) -> None:
 
     canvas = targets.add_parser(
         "canvas", help="full canvas (dual cache) vs block canvas tokens/s on a random 1B-class LLaDA")
-    canvas.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="(default: 1 16)")
-    canvas.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
-    canvas.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default 128)")
-    canvas.add_argument("--steps", type=int, default=8, help="fixed_steps forwards per block (default 8)")
-    canvas.add_argument("--rounds", type=int, default=2,
-                        help="rounds of both canvases in alternating order; ratios are medians (default 2)")
+    _add_workload_options(canvas, batch_sizes=[1, 16], steps=8, rounds=2,
+                          rounds_help="rounds of both canvases in alternating order; ratios are medians")
     canvas.add_argument("--d-model", type=int, default=2048, help="hidden size (default 2048)")
     canvas.add_argument("--layers", type=int, default=16, help="transformer layers (default 16)")
     canvas.add_argument("--json", action="store_true", help="one JSON object on one line")
@@ -192,16 +199,12 @@ def add_engine_benches(targets) -> None:
                     "logits' all-gather, waits included) and host work (the rest of the step), medians over the "
                     "rounds, and the collectives' share of the step.")
     tp.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (default: 1 2)")
-    tp.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="(default: 1 16)")
+    _add_workload_options(tp, batch_sizes=[1, 16], steps=4, rounds=3, rounds_help="timed runs per setting; medians")
     tp.add_argument("--d-model", type=int, default=512, help="hidden size (default 512)")
     tp.add_argument("--layers", type=int, default=8, help="transformer layers (default 8)")
     tp.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
     tp.add_argument("--mlp", type=int, default=1376, help="MLP width (default 1376)")
     tp.add_argument("--vocab", type=int, default=320, help="vocabulary (default 320)")
-    tp.add_argument("--steps", type=int, default=4, help="fixed_steps forwards per block (default 4)")
-    tp.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
-    tp.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default 128)")
-    tp.add_argument("--rounds", type=int, default=3, help="timed runs per setting; medians (default 3)")
     tp.add_argument("--json", action="store_true", help="one JSON object on one line")
     tp.set_defaults(func=cmd_bench)
 
@@ -214,11 +217,7 @@ def add_engine_benches(targets) -> None:
                     "its spread (under 1: the project's forward is faster).")
     forward.add_argument("--architectures", nargs="+", choices=["llada", "sdar"], default=["llada", "sdar"],
                          help="random weights of these (default: both): LLaDA on its full canvas, SDAR on blocks")
-    forward.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="(default: 1 8)")
-    forward.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
-    forward.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default 128)")
-    forward.add_argument("--steps", type=int, default=4, help="fixed_steps forwards per block (default 4)")
-    forward.add_argument("--rounds", type=int, default=3, help="rounds of both sides (default 3)")
+    _add_workload_options(forward, batch_sizes=[1, 8], steps=4, rounds=3, rounds_help="rounds of both sides")
     forward.add_argument("--d-model", type=int, default=512,
                          help="hidden size (default 512; heads of 64; LLaDA keeps its vocabulary of 126464)")
     forward.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
