@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import torch
 
 from replicas.engine import Engine
-from replicas.messages import GenerateChunk, GenerateRequest, SamplingParams, joined
+from replicas.messages import GenerateChunk, GenerateRequest, SamplingParams, WholeAnswer
 from replicas.telemetry.step_stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -90,10 +90,10 @@ class AsyncEngine:
 
         ``request``: the engine request, taken as it comes, or a prompt with ``params`` and
         ``request_id`` (``Engine.make_request``).
-        ``whole``: yield one chunk, the whole answer, its blocks' chunks joined here
-        (``messages.joined``): the caller's event loop is woken once, at the end, not once a
-        block (each wake-up is a thread switch and a loop turn), and decodes its text where
-        the engine left that to it (``Engine.with_answer_text``). ``on_progress(steps,
+        ``whole``: yield one chunk, the whole answer, put together as its blocks commit
+        (``messages.WholeAnswer``): the caller's event loop is woken once, at the end, not
+        once a block (each wake-up is a thread switch and a loop turn), and decodes its text
+        where the engine left that to it (``Engine.with_answer_text``). ``on_progress(steps,
         tokens)`` then sees each block as it commits, in the engine's thread: it must be
         quick and must not raise.
 
@@ -101,31 +101,23 @@ class AsyncEngine:
         """
         params = request.params if isinstance(request, GenerateRequest) else params
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[GenerateChunk | list[GenerateChunk]] = asyncio.Queue()
-        blocks: list[GenerateChunk] = []  # a whole answer's, until its end
+        queue: asyncio.Queue[GenerateChunk] = asyncio.Queue()
 
         def deliver(output: GenerateChunk) -> None:
-            if whole:
-                blocks.append(output)
-                if not output.finished:
-                    if on_progress is not None:
-                        on_progress(output.steps, len(output.token_ids))
-                    return
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, blocks if whole else output)
+                loop.call_soon_threadsafe(queue.put_nowait, output)
             except RuntimeError:  # the caller's loop is gone (e.g. the abort after a disconnect)
                 pass
 
-        request_id = self.engine.add_request(request, params, request_id, on_output=deliver, whole=whole)
+        receiver = WholeAnswer(deliver, on_progress) if whole else deliver
+        request_id = self.engine.add_request(request, params, request_id, on_output=receiver, whole=whole)
         self._wake.set()
         finished = False
         try:
             while not finished:
                 output = await queue.get()
-                if whole:
-                    output = self.engine.with_answer_text(joined(output), params)
                 finished = output.finished
-                yield output
+                yield self.engine.with_answer_text(output, params) if whole else output
         finally:
             if not finished:
                 self.engine.abort(request_id)

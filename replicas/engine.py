@@ -34,8 +34,8 @@ from replicas.kv_cache import KVCache
 from replicas.memory import PoolSize, allocate_pool, plan_pool
 from replicas.models.parallel import SINGLE, TensorParallel
 from replicas.tensor_parallel import ForwardBroadcast, agreed_pool, follow
-from replicas.messages import (INFILL_NEEDS, GenerateChunk, GenerateRequest, RequestError, SamplingParams, joined,
-                               request_problem, resume_problem, text_at_end)
+from replicas.messages import (INFILL_NEEDS, GenerateChunk, GenerateRequest, RequestError, SamplingParams,
+                               WholeAnswer, request_problem, resume_problem, text_at_end)
 from replicas.executor import ForwardFailed, StepExecutor
 from replicas.commits import OutputProcessor
 from replicas.prefix_cache import PrefixCache
@@ -46,7 +46,8 @@ from replicas.runner import ModelRunner, refreshes_rows
 from replicas.scheduler import Scheduler
 from replicas.engine_config import EngineConfig, ServingShape, resolve_algorithm
 from replicas.telemetry.step_stats import EngineTotals, StepStats
-from replicas.step import Committed, ScheduledStep, StepOutput
+from replicas.commits import BlockCommit
+from replicas.step import ScheduledStep, StepOutput
 from replicas.text_encoding import text_encoder
 
 log = logging.getLogger(__name__)
@@ -186,9 +187,10 @@ class Engine:
         checked against the model and this replica's pool (``messages.request_problem``,
         cheap): an id outside the vocabulary would fault the device, a mask id would be
         denoised, and its pages must fit.
-        ``whole``: its receiver joins its chunks into one (``messages.joined``); without
-        stop strings its chunks carry no text, which the receiver decodes from the joined
-        ids with ``with_answer_text``."""
+        ``whole``: ``on_output`` sees one chunk, the whole answer: it is (or is wrapped in) a
+        ``messages.WholeAnswer``, to which the engine adds each block as it commits; without
+        stop strings the answer carries no text, which the receiver decodes from its ids
+        with ``with_answer_text``."""
         direct = not isinstance(request, GenerateRequest)
         if direct:
             prompt_ids = self.encode(request) if isinstance(request, str) else list(request)
@@ -201,6 +203,8 @@ class Engine:
         if direct:
             self._check_continuation(request)
         algorithm, algorithm_params = self.algorithm_for(params)
+        if whole and not isinstance(on_output, WholeAnswer):
+            on_output = WholeAnswer(on_output)
         return Request(
             request_id=request.request_id,
             prompt_ids=request.prompt_ids,
@@ -229,7 +233,7 @@ class Engine:
             raise RequestError(resume_error)
 
     def with_answer_text(self, chunk: GenerateChunk, params: SamplingParams | None) -> GenerateChunk:
-        """``chunk``, a whole answer's joined chunks asked with ``params``, with its text
+        """``chunk``, a whole answer asked with ``params``, with its text
         where the engine left that to the receiver (``messages.text_at_end``). Call it on the
         receiving thread: the decoding stays out of the engine's steps."""
         params = params or SamplingParams()
@@ -293,8 +297,8 @@ class Engine:
             for request, error in output.failed:
                 self._fail(request, error)
             commits = self.scheduler.update_from_output(step, output)
-            for committed in commits:
-                self._stream(committed)
+            for request, commit in commits:
+                self._stream(request, commit)
         except Exception as exc:
             self._fail_step(step, exc)
             return None
@@ -315,21 +319,23 @@ class Engine:
         for request in [r for r in concerned if r.finish_reason is None]:
             self._fail(request, error, replica_fault=True)
 
-    def _stream(self, committed: Committed) -> None:
+    def _stream(self, request: Request, commit: BlockCommit) -> None:
         """Count a committed block and stream it (a request it ends leaves the engine)."""
-        request, commit = committed.request, committed.commit
         self.totals.output_tokens += len(commit.token_ids)
         if request.finish_reason is not None:
             self.totals.requests_finished += 1
             self.cost_model.observe_finished(len(request.committed_block_steps))
             self._requests.pop(request.request_id, None)
-        self._emit(request, commit.token_ids, commit.text, commit.logprobs)
+        if request.whole and request.finish_reason is None:  # its receiver's, until its end
+            request.on_output.add(commit.text, commit.token_ids, commit.logprobs, request.num_steps)
+        else:
+            self._emit(request, commit.token_ids, commit.text, commit.logprobs)
 
-    def _record(self, step: ScheduledStep, output: StepOutput, commits: list[Committed], start: float,
-                cpu_start: float) -> StepStats:
+    def _record(self, step: ScheduledStep, output: StepOutput, commits: list[tuple[Request, BlockCommit]],
+                start: float, cpu_start: float) -> StepStats:
         """The step's statistics, into the totals and the cost model."""
         batch = step.batch
-        block_steps = tuple(committed.request.committed_block_steps[-1] for committed in commits)
+        block_steps = tuple(request.committed_block_steps[-1] for request, _ in commits)
         stats = StepStats(
             batch_size=batch.num_rows,
             active_rows=len(step.stepped),
@@ -349,12 +355,13 @@ class Engine:
         self.cost_model.observe_step(stats.batch_size, stats.step_s, stats.block_steps, stats.prompt_pages)
         return stats
 
-    def _emit(self, request: Request, token_ids: list[int] = (), text: str = "", logprobs=None,
+    def _emit(self, request: Request, token_ids: list[int] | None = None, text: str = "", logprobs=None,
               error: str | None = None, error_kind: str | None = None) -> None:
-        """Stream a chunk of the request to its caller: a committed block, or its end."""
+        """Stream a chunk of the request to its caller: a committed block (``token_ids`` and
+        ``logprobs``: the commit's own lists, handed on as they are), or its end."""
         reason = request.finish_reason
         request.emit(GenerateChunk(
-            text=text, token_ids=list(token_ids), finished=reason is not None,
+            text=text, token_ids=[] if token_ids is None else token_ids, finished=reason is not None,
             finish_reason=None if reason is None else reason.value, error=error, error_kind=error_kind,
             # an infill's suffix is on the canvas too
             prompt_tokens=len(request.prompt_ids) + len(request.params.suffix_ids),
@@ -362,7 +369,7 @@ class Engine:
             completion_tokens=len(request.output_ids),
             steps=request.num_steps, block_steps=list(request.committed_block_steps), replica=self.name,
             engine_s=self.clock() - request.arrival_time,
-            logprobs=None if request.params.logprobs is None else list(logprobs or ())))
+            logprobs=None if request.params.logprobs is None else logprobs or []))
 
     def _drain_inbox(self) -> None:
         """Apply queued adds and aborts in order; one that fails is logged (a failed add
@@ -480,4 +487,4 @@ class Engine:
                     time.sleep(min(self.hold_s(), 0.01))
                 elif on_step is not None:
                     on_step(stats)
-        return [self.with_answer_text(joined(sink), p) for sink, p in zip(chunks, params)]
+        return [self.with_answer_text(sink[-1], p) for sink, p in zip(chunks, params)]

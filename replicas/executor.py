@@ -56,7 +56,7 @@ class StepExecutor:
             raise ForwardFailed(f"model forward failed: {exc}") from exc
         forward_cpu = time.thread_time() - forward_cpu
         if not requests:  # prompt chunks only
-            return StepOutput([], [], [], [], [], forward_timer.seconds(), forward_cpu)
+            return StepOutput([], [], [], None, [], forward_timer.seconds(), forward_cpu)
         if len(requests) < batch.advances.size:  # idle rows (sync, static) computed but not advanced
             logits = logits[to_device(torch.from_numpy(batch.advances), logits.device)]
         fed_unmasked = [not stale for stale in kv_stale]
@@ -65,8 +65,9 @@ class StepExecutor:
         before = blocks[asking] if asking else None  # a copy (indexed by a list)
         failed: list[tuple[Request, str]] = []
         done = self._run_algorithms(requests, logits, blocks, fed_unmasked, failed)
-        logprobs: list = [None] * len(requests)
+        logprobs = None
         if asking:
+            logprobs = [None] * len(requests)
             written = step_logprobs([requests[i].params.logprobs for i in asking], logits[asking], before,
                                     blocks[asking], self.mask_id)
             for i, positions in zip(asking, written):

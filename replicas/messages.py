@@ -8,7 +8,7 @@ answers with a stream of ``GenerateChunk``, one per committed block, the last on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -105,15 +105,52 @@ def text_at_end(params: SamplingParams, whole: bool) -> bool:
     return whole and not params.stop
 
 
+class WholeAnswer:
+    """A whole answer put together by its receiver, the one place answers are joined: each
+    block's text, ids and logprobs as it commits (``add``; ``on_block(steps, tokens)`` sees
+    it), then the answer's last chunk (``ended``: the answer in one chunk, with the last
+    chunk's counts and finish; an error chunk as it is). As a request's ``on_output`` (a
+    callable) it hands the answer to ``deliver`` at its end; the engine adds a whole
+    answer's blocks straight to it, without a chunk each."""
+
+    __slots__ = ("deliver", "on_block", "texts", "token_ids", "logprobs")
+
+    def __init__(self, deliver: Callable[[GenerateChunk], None] | None = None,
+                 on_block: Callable[[int, int], None] | None = None):
+        self.deliver, self.on_block = deliver, on_block
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+
+    def add(self, text: str, token_ids: Sequence[int], logprobs: Sequence | None, steps: int) -> None:
+        self.texts.append(text)
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs or ())
+        if self.on_block is not None:
+            self.on_block(steps, len(token_ids))
+
+    def ended(self, last: GenerateChunk) -> GenerateChunk:
+        if last.error:
+            return last
+        logprobs = None if last.logprobs is None else self.logprobs + last.logprobs
+        return replace(last, text="".join(self.texts) + last.text, token_ids=self.token_ids + last.token_ids,
+                       logprobs=logprobs)
+
+    def __call__(self, chunk: GenerateChunk) -> None:
+        if not chunk.finished:
+            self.add(chunk.text, chunk.token_ids, chunk.logprobs, chunk.steps)
+        elif self.deliver is not None:
+            self.deliver(self.ended(chunk))
+
+
 def joined(chunks: Sequence[GenerateChunk]) -> GenerateChunk:
-    """A request's chunks as one (text and ids joined, the last chunk's counts and finish),
-    or its first error chunk as it is."""
-    for chunk in chunks:
+    """A request's chunks as one (``WholeAnswer``), or its first error chunk as it is."""
+    answer = WholeAnswer()
+    for chunk in chunks[:-1]:
         if chunk.error:
             return chunk
-    logprobs = None if chunks[-1].logprobs is None else [lp for c in chunks for lp in c.logprobs or ()]
-    return replace(chunks[-1], text="".join(c.text for c in chunks),
-                   token_ids=[t for c in chunks for t in c.token_ids], logprobs=logprobs)
+        answer.add(chunk.text, chunk.token_ids, chunk.logprobs, chunk.steps)
+    return answer.ended(chunks[-1])
 
 
 INFILL_NEEDS = ("a suffix (infilling) needs a bidirectional model on the full canvas (replica.canvas 'full', "

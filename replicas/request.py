@@ -45,7 +45,7 @@ class Request:
 
     # where the request stands and what it produced: changed by the scheduler only
     # (replicas.scheduler), which applies each committed block (``replicas.commits.BlockCommit``)
-    phase: Phase = Phase.WAITING  # while it runs (never FINISHED: ``status`` says that)
+    phase: Phase = Phase.WAITING  # where its row stands (never FINISHED: ``status`` says that)
     row: int = -1
     # its pages (``replicas.kv_cache``); ``allocation.shared``: how many of its first pages
     # are the prefix cache's (found there at admission, or computed here and cached since)

@@ -39,7 +39,7 @@ from replicas.prefix_cache import CachedRun
 from replicas.commits import BlockCommit, OutputProcessor
 from replicas.request import FinishReason, Request
 from replicas.rows import RowTable
-from replicas.step import Committed, ScheduledBatch, ScheduledStep, StepOutput
+from replicas.step import ScheduledBatch, ScheduledStep, StepOutput
 
 
 class Scheduler:
@@ -108,34 +108,36 @@ class Scheduler:
         finally:
             self._write_block_starts()
 
-    def update_from_output(self, step: ScheduledStep, output: StepOutput) -> list[Committed]:
+    def update_from_output(self, step: ScheduledStep, output: StepOutput) -> list[tuple[Request, BlockCommit]]:
         """Apply what executing ``step`` computed: cache the pages whose final KV it wrote,
         count each stepped block's step, record its log-probabilities, and commit the done
         blocks into their requests' outputs (ending those that end). A block fed with masks
         (``kv_stale``) has its final KV written by the row's next forward (a fused commit,
         see ``_build_step``). A request that ended since it was scheduled (its algorithm
-        failed) is skipped. Returns the commits, in block order, for the caller to stream."""
+        failed) is skipped. Returns each commit with its request, in block order, for the
+        caller to stream."""
         if self.cache is not None:
             for request, first, end, ids in step.written:
                 if request.row >= 0:  # not ended in the step (its algorithm failed): it has its pages
                     self._cache_pages(request, first, end, ids)
         committed = []
-        for request, ids, done, stale, logprobs in zip(step.stepped, output.block_ids, output.done, output.kv_stale,
-                                                       output.logprobs, strict=True):
-            if request.status is not Phase.DENOISE:
+        logprobs = output.logprobs
+        for i, (request, ids, done, stale) in enumerate(zip(step.stepped, output.block_ids, output.done,
+                                                            output.kv_stale)):
+            if request.phase is not Phase.DENOISE or request.finish_reason is not None:
                 continue
             request.steps_in_block += 1
             request.num_steps += 1
-            for position, logprob in logprobs or ():
-                request.block_logprobs[position] = logprob
+            if logprobs is not None and logprobs[i]:
+                for position, logprob in logprobs[i]:
+                    request.block_logprobs[position] = logprob
             if not done:
                 continue
-            committed.append(Committed(request, self._commit(request, ids)))
+            committed.append((request, self._commit(request, ids)))
             page = request.active_page_index
-            if request.finish_reason is None:
-                request.phase = Phase.BLOCK_DONE
-                if stale:
-                    request.unwritten_page, request.unwritten_ids = page, tuple(ids)
+            request.phase = Phase.BLOCK_DONE  # its status: finished where the commit ended it
+            if stale and request.finish_reason is None:
+                request.unwritten_page, request.unwritten_ids = page, tuple(ids)
             if not stale and self.cache is not None:  # its KV is the final tokens' already
                 self._cache_pages(request, page, page + 1, tuple(ids))
         return committed
@@ -255,7 +257,7 @@ class Scheduler:
         prefills it once)."""
         if self.cache is None or depth >= request.prefix_pages:
             return False
-        return any(other.status is Phase.PREFILL and other.allocation.shared == depth < other.prefix_pages
+        return any(other.phase is Phase.PREFILL and other.allocation.shared == depth < other.prefix_pages
                    and other.allocation.cached is cached and other.prefix_keys[depth] == request.prefix_keys[depth]
                    for other in self.running)
 
@@ -292,7 +294,7 @@ class Scheduler:
         (sync, static) writes it with its idle unit instead of to the scratch page."""
         size = self.block_length
         budget = self.max_tokens_per_step - size * sum(
-            (r.status is not Phase.PREFILL) + (r.status is Phase.DENOISE and r.unwritten_page is not None)
+            (r.phase is not Phase.PREFILL) + (r.phase is Phase.DENOISE and r.unwritten_page is not None)
             for r in self.running)
         unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch = [], [], [], [], []
         advances, steps_in_block = [], []
@@ -308,7 +310,7 @@ class Scheduler:
             unit_scratch.append(scratch)
 
         for request in self.running:
-            if request.status is Phase.PREFILL:
+            if request.phase is Phase.PREFILL:
                 first = request.prefilled_pages
                 last = self._prefill_end(request, budget)
                 for page_index, count in enumerate(request.prefix_page_tokens[first:last], first):
@@ -325,7 +327,7 @@ class Scheduler:
                     if last > first:
                         scheduled.append(request)
                     continue
-            idle = request.status is not Phase.DENOISE
+            idle = request.phase is not Phase.DENOISE  # a done block (its request finished or not)
             if request.unwritten_page is not None:  # written by a unit of its own, or by the idle block unit
                 written.append((request, request.unwritten_page, request.unwritten_page + 1,
                                       request.unwritten_ids))

@@ -16,7 +16,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     from replicas.logprobs import TokenLogprob
-    from replicas.commits import BlockCommit
     from replicas.request import Request
 
 
@@ -72,16 +71,9 @@ class StepOutput:
     block_ids: list[list[int]]  # the block's tokens after the step (its whole page)
     done: list[bool]  # the block is final: it commits
     kv_stale: list[bool]  # the forward fed it with masks: its final KV is still to write
-    # the positions the step wrote and their log-probabilities, for the rows that asked (else None)
-    logprobs: list[list[tuple[int, TokenLogprob]] | None]
+    # the positions the step wrote and their log-probabilities, for the rows that asked (else
+    # None), or None where no row asked
+    logprobs: list[list[tuple[int, TokenLogprob]] | None] | None
     failed: list[tuple[Request, str]]  # rows whose algorithm failed, and why (their blocks not done)
     forward_s: float = 0.0
     forward_cpu_s: float = 0.0  # CPU time of the engine thread in the forward
-
-
-@dataclass(slots=True)
-class Committed:
-    """A block the step committed to its request (``Scheduler.update_from_output``)."""
-
-    request: Request
-    commit: BlockCommit

@@ -11,7 +11,7 @@ import pytest
 from failing_call import failing_on_call
 from replicas.async_engine import AsyncEngine
 from replicas.deployment import EngineReplica
-from replicas.messages import GenerateRequest, SamplingParams, joined
+from replicas.messages import GenerateRequest, SamplingParams
 from replicas.request import FinishReason
 from replicas.engine_config import EngineConfig
 from tests.replicas.step_spies import inject_faults
@@ -91,7 +91,7 @@ def test_a_request_past_its_deadline_ends_with_the_text_it_committed(make_engine
         assert outputs[0].text == first.text[:-1]
     now[0] = 5.0
     engine.step()
-    outputs = [engine.with_answer_text(joined(outputs), params)] if whole else outputs
+    outputs = [engine.with_answer_text(o, params) for o in outputs] if whole else outputs
     last = outputs[-1]
     assert last.finished and last.finish_reason == FinishReason.TIMEOUT and last.error is None
     assert "".join(o.text for o in outputs) == first.text

@@ -12,7 +12,7 @@ from exploding_algorithm import NAME as EXPLODING, register_exploding
 from failing_call import failing_on_call
 from replicas.async_engine import AsyncEngine
 from replicas.request import FinishReason
-from replicas.messages import RequestError, SamplingParams, joined
+from replicas.messages import RequestError, SamplingParams, WholeAnswer, joined
 
 
 def assert_pool_full(engine):
@@ -214,15 +214,14 @@ def test_a_whole_answer_that_ends_early_keeps_the_blocks_it_committed(make_engin
     engine = make_engine()
     chunks = []
 
-    def abort_after_the_first_block(chunk):
-        chunks.append(chunk)
+    def abort_after_the_first_block(steps, tokens):
         engine.abort(request_id)
 
-    request_id = engine.add_request("abc", SamplingParams(max_tokens=128, ignore_eos=True),
-                                    on_output=abort_after_the_first_block, whole=True)
+    request_id = engine.add_request("abc", SamplingParams(max_tokens=128, ignore_eos=True), whole=True,
+                                    on_output=WholeAnswer(chunks.append, on_block=abort_after_the_first_block))
     while engine.has_work():
         engine.step()
-    chunk = joined(chunks)
+    [chunk] = chunks
     assert chunk.finished and chunk.finish_reason == "abort"
     block = engine.block_length
     assert 0 < len(chunk.token_ids) < 128 and len(chunk.token_ids) % block == 0

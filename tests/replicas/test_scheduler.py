@@ -41,7 +41,7 @@ def make_scheduler(mode, max_batch=2, max_tokens_per_step=16, **kwargs) -> Sched
 def output(step, done) -> StepOutput:
     """A step's output without a model: each stepped block filled with 7s, ``done`` or not."""
     count = len(step.stepped)
-    return StepOutput([[7] * BLOCK] * count, done, [False] * count, [None] * count, [])
+    return StepOutput([[7] * BLOCK] * count, done, [False] * count, None, [])
 
 
 def make_request(name, prompt_len, blocks, arrival_time=0.0) -> Request:
@@ -62,8 +62,8 @@ def run_step(scheduler, steps_per_block):
     assert batch.advances.sum() == len(step.stepped)
     commits = scheduler.update_from_output(step, output(step, [
         request.steps_in_block + 1 == steps_per_block[request.request_id] for request in step.stepped]))
-    assert all(c.request.finish_reason is (FinishReason.LENGTH if c.request.block_index == c.request.max_blocks - 1
-                                           else None) for c in commits)
+    assert all(request.finish_reason is (FinishReason.LENGTH if request.block_index == request.max_blocks - 1
+                                         else None) for request, _ in commits)
     return batch
 
 
