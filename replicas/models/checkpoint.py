@@ -249,12 +249,18 @@ def load_model_spec(model: str | Path, overrides: dict | None = None) -> ModelSp
     return _build(resolve_path(model), overrides).spec
 
 
-def check_checkpoint(model: str | Path, lora: str | Path | None = None, overrides: dict | None = None) -> ModelSpec:
+def check_checkpoint(model: str | Path, lora: str | Path | None = None, overrides: dict | None = None,
+                     tensor_parallel_size: int = 1) -> ModelSpec:
     """Everything ``load_model`` and ``load_tokenizer`` would find wrong short of reading the
-    weights (config, architecture, overrides, shards, tokenizer and adapter files): a
-    server checks this before it starts any process."""
+    weights (config, architecture, overrides, a split over ``tensor_parallel_size`` ranks,
+    shards, tokenizer and adapter files): a server checks this before it starts any process."""
     path = resolve_path(model)
     spec = _build(path, overrides).spec
+    if tensor_parallel_size > 1:
+        _build(path, overrides, TensorParallel(0, tensor_parallel_size))
+        if lora:
+            raise CheckpointError("a LoRA adapter with tensor parallelism is not supported yet; merge it into "
+                                  "the checkpoint")
     weight_files(path)
     _check_tokenizer_files(path)
     if lora:

@@ -2,11 +2,18 @@
 over two tensor-parallel ranks (gloo), over HTTP with the openai client: infilling with
 ``suffix``, answered as one process's engine answers."""
 
+import asyncio
+import os
+import signal
+import time
+
+import httpx
 import openai
 import pytest
 
 from cluster.request_path import processes_mentioning
 from live_up import start_cluster, stop_cluster
+from test_serving import total
 from replicas.engine import Engine, EngineConfig
 from replicas.messages import SamplingParams
 from tests.replicas.models.checkpoint_builders import write_checkpoint
@@ -39,3 +46,36 @@ def test_a_suffix_is_filled_in_before(llada):
     [offline] = engine.generate([asked["prompt"]], SamplingParams(
         max_tokens=32, ignore_eos=True, suffix_ids=suffix_ids, algorithm_params={"temperature": 0.0}))
     assert infill.choices[0].text == offline.text  # the engine's infill, which the suffix's tokens end
+
+
+def test_a_rank_killed_under_load_takes_its_replica_down_and_its_requests_finish(llada):
+    """SIGKILL of rank 1 while requests run: rank 0's next collective fails, the replica
+    reports unhealthy, Serve replaces the whole group, and the ingress resumes the requests
+    from their committed blocks: each answer is the one a single process gives."""
+    path, running = llada
+    [rank] = processes_mentioning("ray::RankWorker")
+    prompts = [f"def f{i}(x):\n" for i in range(4)]
+    body = {"max_tokens": 96, "temperature": 0, "ignore_eos": True}
+    engine = Engine.from_pretrained(str(path), EngineConfig(max_batch=REPLICA["max_batch"]))
+    expected = [answer.text for answer in engine.generate(prompts, SamplingParams(
+        max_tokens=96, ignore_eos=True, algorithm_params={"temperature": 0.0}))]
+
+    async def load() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=running.base_url, timeout=240) as client:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            sent = [asyncio.create_task(client.post("/v1/completions", json={"model": model, "prompt": p, **body}))
+                    for p in prompts]
+            deadline = time.monotonic() + 60
+            while total(running.metrics_text(), "dllm_running_requests") < 1:
+                assert time.monotonic() < deadline, "the requests never ran"
+                await asyncio.sleep(0.05)
+            os.kill(rank, signal.SIGKILL)
+            return await asyncio.gather(*sent)
+
+    responses = asyncio.run(load())
+    assert [r.status_code for r in responses] == [200] * len(prompts), [r.text for r in responses]
+    assert [r.json()["choices"][0]["text"] for r in responses] == expected
+    deadline = time.monotonic() + 180  # a new group: its rank 1 is another process
+    while not (ranks := processes_mentioning("ray::RankWorker")) or ranks == [rank]:
+        assert time.monotonic() < deadline, "no replacement rank started"
+        time.sleep(0.5)

@@ -11,7 +11,7 @@ from replicas.attention import DenseAttentionContext
 from replicas.engine import Engine, follow_as_rank
 from replicas.engine_config import EngineConfig
 from replicas.messages import SamplingParams
-from replicas.models.checkpoint import CheckpointError, load_model, load_tokenizer
+from replicas.models.checkpoint import CheckpointError, check_checkpoint, load_model, load_tokenizer
 from replicas.models.parallel import TensorParallel
 from tests.replicas.models.checkpoint_builders import CHECKPOINTS, OVERRIDES, write_checkpoint
 from tools.bench.local_ranks import on_ranks
@@ -42,10 +42,16 @@ def test_two_ranks_give_the_logits_of_one(tmp_path, arch):
     assert torch.equal(ranks[0]["logits"].argmax(-1), alone["logits"].argmax(-1))
 
 
-def test_a_model_whose_heads_do_not_split_is_refused_with_the_reason(tmp_path):
+def test_a_model_that_does_not_split_is_refused_with_the_reason_before_anything_starts(tmp_path):
     checkpoint = write_checkpoint(tmp_path / "sdar", "SDARForCausalLM")
     with pytest.raises(CheckpointError, match=r"the KV heads \(2\) does not split evenly over 4"):
         load_model(checkpoint, overrides=OVERRIDES["SDARForCausalLM"], tp=TensorParallel(0, 4))
+    # what `dllm-serve up` checks before it starts a process
+    with pytest.raises(CheckpointError, match=r"the KV heads \(2\) does not split evenly over 4"):
+        check_checkpoint(checkpoint, overrides=OVERRIDES["SDARForCausalLM"], tensor_parallel_size=4)
+    with pytest.raises(CheckpointError, match="TinyDllmForBlockDiffusion has no tensor-parallel layers"):
+        check_checkpoint("tiny", tensor_parallel_size=2)
+    check_checkpoint(checkpoint, overrides=OVERRIDES["SDARForCausalLM"], tensor_parallel_size=2)
 
 
 PROMPTS = [[5, 17, 42, 99, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7, 8], [200, 100, 50, 25, 12, 6]]
