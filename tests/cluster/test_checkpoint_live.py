@@ -72,9 +72,14 @@ def test_a_rank_killed_under_load_takes_its_replica_down_and_its_requests_finish
             os.kill(rank, signal.SIGKILL)
             return await asyncio.gather(*sent)
 
+    failovers_before = total(running.metrics_text(), "dllm_failovers_total")
     responses = asyncio.run(load())
     assert [r.status_code for r in responses] == [200] * len(prompts), [r.text for r in responses]
     assert [r.json()["choices"][0]["text"] for r in responses] == expected
+    deadline = time.monotonic() + 60  # resumed: counted by the ingress at its next report
+    while total(running.metrics_text(), "dllm_failovers_total") <= failovers_before:
+        assert time.monotonic() < deadline, "no request was resumed"
+        time.sleep(0.2)
     deadline = time.monotonic() + 180  # a new group: its rank 1 is another process
     while not (ranks := processes_mentioning("ray::RankWorker")) or ranks == [rank]:
         assert time.monotonic() < deadline, "no replacement rank started"
