@@ -17,11 +17,13 @@ from replicas.models.parallel import TensorParallel
 def _rank_main(rank: int, size: int, rendezvous: str, out_dir: str, work, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
-    try:
-        result = work(TensorParallel(rank, size, dist.group.WORLD), *args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    result = work(TensorParallel(rank, size, dist.group.WORLD), *args)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()  # no rank leaves while another still talks to it
+    dist.destroy_process_group()
+    # skip the interpreter's teardown: gloo's threads being destroyed with it once aborted a
+    # rank ("terminate called without an active exception") after its work was done and saved
+    os._exit(0)
 
 
 def on_ranks(size: int, work, *args) -> list:
