@@ -12,7 +12,7 @@ torch.set_num_threads(1)
 LIVE_FIXTURES = {"cluster", "observed", "llada"}
 # the modules whose clusters are their own (the other live tests share the session's)
 OWN_CLUSTERS = {"test_kills_live", "test_up_lifecycle_live", "test_overload_live", "test_checkpoint_live",
-                "test_pool_live"}
+                "test_pool_live", "test_pool_refusal_live"}
 # of those, the ones that may run beside the rest in the other worker once it has run
 # every test of no cluster (their checks do not depend on timing): that worker is free
 # a minute or two before the one with the other live tests
