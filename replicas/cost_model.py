@@ -67,7 +67,9 @@ def fit_step_cost_by_load(loads: Sequence[Iterable[tuple[int, int, float]]]) -> 
     what the serving path takes from the engine grows with load and lands in each load's
     c0 (a light load alone has few steps with many rows and splits c0 and c1 poorly).
     With few terms the exact answer is the best fit, over the subsets of terms (the fixed
-    costs all in or all out), whose coefficients are all >= 0."""
+    costs all in or all out), whose coefficients are all >= 0; a subset without the fixed
+    costs and the rows (prompt units alone) is no candidate: it would price a step that
+    computes no prompt at nothing."""
     groups = [np.asarray(list(records), dtype=float).reshape(-1, 3) for records in loads]
     if not groups or any(len(g) == 0 for g in groups):
         raise ValueError("fit: no step records")
@@ -77,7 +79,7 @@ def fit_step_cost_by_load(loads: Sequence[Iterable[tuple[int, int, float]]]) -> 
     seconds = data[:, 2]
     fixed, rows, units = list(range(len(groups))), len(groups), len(groups) + 1
     best = (np.inf, np.array([g[:, 2].mean() for g in groups] + [0.0, 0.0]))
-    for subset in (fixed + [rows, units], fixed + [rows], fixed + [units], [rows, units], fixed, [rows], [units]):
+    for subset in (fixed + [rows, units], fixed + [rows], fixed + [units], [rows, units], fixed, [rows]):
         coef = np.linalg.lstsq(terms[:, subset], seconds, rcond=None)[0]
         residual = float(((terms[:, subset] @ coef - seconds) ** 2).sum())
         if np.all(coef >= 0) and residual < best[0] - 1e-15:

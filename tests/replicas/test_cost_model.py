@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from replicas.cost_model import RATE_WINDOW_S, REFIT_EVERY_STEPS, DrainModel, OnlineCostModel, mean_steps
+from replicas.cost_model import (RATE_WINDOW_S, REFIT_EVERY_STEPS, DrainModel, OnlineCostModel,
+                                 fit_step_cost_with_prefill, mean_steps)
 from replicas.engine import WARM_UP_SWEEPS
 from replicas.messages import SamplingParams
 from replicas.telemetry.monitor import ReplicaMonitor
@@ -162,3 +163,13 @@ def test_the_warm_ups_blocks_stand_in_for_real_ones_until_a_real_block_commits(m
     engine.generate(["abc"], SamplingParams(max_tokens=2 * engine.block_length, ignore_eos=True))
     real = engine.cost_model.steps_per_block_counts()
     assert sum(real.values()) == 2  # the request's two blocks, nothing of the warm-up's
+
+
+def test_a_step_without_prompt_work_is_never_fitted_free():
+    """Steps whose time follows their prompt units almost alone (as on a busy machine) once
+    gave the fit of prompt units only, which priced a step that computes no prompt at
+    nothing (and the simulator's calibration refused the fit)."""
+    records = [(1, 1, 0.00022), (4, 2, 0.0022), (2, 1, 0.00044), (13, 6, 0.00515), (1, 6, 0.00587),
+               (14, 10, 0.01015), (4, 16, 0.01665), (6, 0, 0.00015)]
+    c0, c1, c2 = fit_step_cost_with_prefill(records)
+    assert all(c0 + c1 * rows + c2 * units > 0 for rows, units, _ in records)
