@@ -16,6 +16,7 @@ from live_up import start_cluster, stop_cluster
 from test_serving import total
 from replicas.engine import Engine, EngineConfig
 from replicas.messages import SamplingParams
+from replicas.models.checkpoint import load_tokenizer
 from tests.replicas.models.checkpoint_builders import write_checkpoint
 
 REPLICA = {"max_batch": 2, "torch_threads": 1, "tensor_parallel_size": 2}
@@ -46,6 +47,14 @@ def test_a_suffix_is_filled_in_before(llada):
     [offline] = engine.generate([asked["prompt"]], SamplingParams(
         max_tokens=32, ignore_eos=True, suffix_ids=suffix_ids, algorithm_params={"temperature": 0.0}))
     assert infill.choices[0].text == offline.text  # the engine's infill, which the suffix's tokens end
+
+    messages = [{"role": "user", "content": "你好 🙂, what is 2 + 3?"}]  # the chat route, same text too
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    prompt = load_tokenizer(str(path)).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    [offline_chat] = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True,
+                                                              algorithm_params={"temperature": 0.0}))
+    assert chat.choices[0].message.content == offline_chat.text
 
 
 def test_a_rank_killed_under_load_takes_its_replica_down_and_its_requests_finish(llada):
