@@ -322,14 +322,15 @@ class Engine:
     def _stream(self, request: Request, commit: BlockCommit) -> None:
         """Count a committed block and stream it (a request it ends leaves the engine)."""
         self.totals.output_tokens += len(commit.token_ids)
-        if request.finish_reason is not None:
+        if request.finish_reason is None:
+            if request.whole:  # its receiver's, until its end
+                request.on_output.add(commit.text, commit.token_ids, commit.logprobs, request.num_steps)
+                return
+        else:
             self.totals.requests_finished += 1
             self.cost_model.observe_finished(len(request.committed_block_steps))
             self._requests.pop(request.request_id, None)
-        if request.whole and request.finish_reason is None:  # its receiver's, until its end
-            request.on_output.add(commit.text, commit.token_ids, commit.logprobs, request.num_steps)
-        else:
-            self._emit(request, commit.token_ids, commit.text, commit.logprobs)
+        self._emit(request, commit.token_ids, commit.text, commit.logprobs)
 
     def _record(self, step: ScheduledStep, output: StepOutput, commits: list[tuple[Request, BlockCommit]],
                 start: float, cpu_start: float) -> StepStats:

@@ -85,9 +85,6 @@ class StepExecutor:
             mask_id = self.mask_id
             done = [is_done or (mask_id not in ids and request.algorithm.final_when_filled)
                     for is_done, ids, request in zip(done, block_ids, requests)]
-        if failed:
-            broken = {id(request) for request, _ in failed}
-            done = [is_done and id(request) not in broken for is_done, request in zip(done, requests)]
         return StepOutput(block_ids, done, kv_stale, logprobs, failed, forward_timer.seconds(), forward_cpu)
 
     def _run_algorithms(self, requests: list[Request], logits: torch.Tensor, blocks: torch.Tensor,

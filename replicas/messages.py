@@ -109,9 +109,9 @@ class WholeAnswer:
     """A whole answer put together by its receiver, the one place answers are joined: each
     block's text, ids and logprobs as it commits (``add``; ``on_block(steps, tokens)`` sees
     it), then the answer's last chunk (``ended``: the answer in one chunk, with the last
-    chunk's counts and finish; an error chunk as it is). As a request's ``on_output`` (a
-    callable) it hands the answer to ``deliver`` at its end; the engine adds a whole
-    answer's blocks straight to it, without a chunk each."""
+    chunk's counts and finish; an error chunk as it is). As a request's ``on_output`` it
+    is called with that last chunk only and hands the answer to ``deliver``: the engine
+    adds the blocks before it straight to it, without a chunk each."""
 
     __slots__ = ("deliver", "on_block", "texts", "token_ids", "logprobs")
 
@@ -136,11 +136,9 @@ class WholeAnswer:
         return replace(last, text="".join(self.texts) + last.text, token_ids=self.token_ids + last.token_ids,
                        logprobs=logprobs)
 
-    def __call__(self, chunk: GenerateChunk) -> None:
-        if not chunk.finished:
-            self.add(chunk.text, chunk.token_ids, chunk.logprobs, chunk.steps)
-        elif self.deliver is not None:
-            self.deliver(self.ended(chunk))
+    def __call__(self, last: GenerateChunk) -> None:
+        if self.deliver is not None:
+            self.deliver(self.ended(last))
 
 
 def joined(chunks: Sequence[GenerateChunk]) -> GenerateChunk:

@@ -74,6 +74,7 @@ class StepOutput:
     # the positions the step wrote and their log-probabilities, for the rows that asked (else
     # None), or None where no row asked
     logprobs: list[list[tuple[int, TokenLogprob]] | None] | None
-    failed: list[tuple[Request, str]]  # rows whose algorithm failed, and why (their blocks not done)
+    # rows whose algorithm failed, and why: the engine ends them, and the update skips them
+    failed: list[tuple[Request, str]]
     forward_s: float = 0.0
     forward_cpu_s: float = 0.0  # CPU time of the engine thread in the forward

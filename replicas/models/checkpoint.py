@@ -144,10 +144,11 @@ def _read_state(path: Path, net: nn.Module, dtype: torch.dtype, device: str,
     if lora and tp.size > 1:
         raise LoraError("a LoRA adapter with tensor parallelism is not supported yet; merge it into the checkpoint")
     scale, deltas = read_adapter(lora) if lora else (0.0, {})
-    shape = getattr(net, "shape", None)
-    qkv = shape and (shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim,
-                     shape.num_kv_heads * shape.head_dim)
-    experts = getattr(net.config, "num_experts", None)
+    qkv = experts = None
+    if tp.size > 1:  # a decoder stack (``_build`` refuses the others)
+        shape = net.shape
+        qkv = (shape.num_heads * shape.head_dim,) + (shape.num_kv_heads * shape.head_dim,) * 2
+        experts = getattr(net.config, "num_experts", None)
     unused = set(deltas)
     by_file = defaultdict(list)
     for name, file in weight_files(path).items():
@@ -160,11 +161,15 @@ def _read_state(path: Path, net: nn.Module, dtype: torch.dtype, device: str,
                 if tied and name == "lm_head.weight":
                     continue  # a tied head is the embedding; some checkpoints store a copy
                 ours = _rename(net, name)
-                piece = f.get_slice(name)
-                shard = shard_of(ours, tuple(piece.get_shape()), tp, qkv, experts)
-                if shard is None:
-                    continue  # another rank's
-                tensor = shard.read(piece, len(piece.get_shape())) if shard.ranges else f.get_tensor(name)
+                if tp.size == 1:
+                    tensor = f.get_tensor(name)
+                else:
+                    piece = f.get_slice(name)
+                    shape = tuple(piece.get_shape())
+                    shard = shard_of(ours, shape, tp, qkv, experts)
+                    if shard is None:
+                        continue  # another rank's
+                    tensor = shard.read(piece, len(shape)) if shard.ranges else f.get_tensor(name)
                 if name in deltas:
                     tensor = merge_delta(tensor, *deltas[name], scale)
                     unused.discard(name)

@@ -111,8 +111,6 @@ def shard_of(name: str, shape: tuple[int, ...], tp: TensorParallel, qkv_split: t
     """What rank ``tp.rank`` reads of the parameter ``name`` (of full ``shape``), or None
     where it holds none of it (another rank's expert). ``qkv_split``: the q, k and v rows
     of a fused projection; ``num_experts``: the routed experts of a MoE model."""
-    if tp.size == 1:
-        return Shard()
     expert = _EXPERT.match(name)
     if expert:
         return Shard() if int(expert.group(1)) in local_experts(num_experts, tp) else None
