@@ -14,7 +14,7 @@ def test_a_budget_too_small_stops_up_with_one_line_naming_the_sizes(tmp_path):
                             capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("dllm-serve: error:")]
-    assert len(errors) == 1 and "Traceback" not in result.stderr
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "PoolSizingError" in errors[0] and "memory_utilization 0.0001" in errors[0]
     assert "max_model_len 512" in errors[0] and "raise replica.memory_utilization" in errors[0]
     assert "ready; Ctrl-C stops" not in result.stdout
