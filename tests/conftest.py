@@ -16,7 +16,7 @@ OWN_CLUSTERS = {"test_kills_live", "test_up_lifecycle_live", "test_overload_live
 # of those, the ones that may run beside the rest in the other worker once it has run
 # every test of no cluster (their checks do not depend on timing): that worker is free
 # a minute or two before the one with the other live tests
-ALONGSIDE = {"test_pool_live"}
+ALONGSIDE = {"test_pool_live", "test_pool_refusal_live"}
 SHARED_API_KEY = "test-key"
 
 

@@ -1,6 +1,7 @@
 """`dllm-serve up` sizing its KV pool from memory: a random checkpoint with SDAR-1.7B's
-attention shape and its 32,768 positions (two of its 28 layers and a vocabulary of 32,768
-instead of 151,936, so that 64 rows run on two cores in the suite's time) at 64 rows, under
+attention shape and its 32,768 positions (two of its 28 layers, an MLP of 1,024 instead of
+6,144 and a vocabulary of 4,096 instead of 151,936, so that 64 rows run on two cores in the
+suite's time; the KV pool's size depends on the attention shape alone) at 64 rows, under
 a memory budget, starts, answers as users ask, reports its pool, and its replica stays within
 the budget."""
 
@@ -20,17 +21,17 @@ from loadgen.soak import resident_bytes
 from replicas.memory import host_memory
 from tests.replicas.models.checkpoint_builders import SDAR_1_7B, write_checkpoint
 
-BUDGET = 3 << 30  # the whole replica process: weights (0.6 GiB in float32), activations, KV pool
+BUDGET = 3 << 30  # the whole replica process: weights (0.2 GiB in float32), activations, KV pool
 
 
 @pytest.fixture(scope="module")
 def sdar_32k(tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp("sdar-32k"), "SDARForCausalLM",
-                            dims=replace(SDAR_1_7B, layers=2, vocab=32768, mask_id=32000, eos_id=32001, pad_id=32002),
+                            dims=replace(SDAR_1_7B, layers=2, ffn=1024, vocab=4096, mask_id=4000, eos_id=4001, pad_id=4002),
                             dtype=torch.bfloat16)
     _, total = host_memory()
     replica = {"max_batch": 64, "memory_utilization": BUDGET / total, "max_tokens_per_step": 512,
-               "model_overrides": {"mask_token_id": 32000, "eos_token_id": 32001}}
+               "model_overrides": {"mask_token_id": 4000, "eos_token_id": 4001}}
     running = start_cluster(tmp_path_factory.mktemp("sdar-32k-up"), {"model": str(path), "replica": replica},
                             timeout_s=900)
     yield path, running
@@ -66,7 +67,7 @@ def test_a_32k_position_checkpoint_at_64_rows_serves_within_its_memory_budget(sd
         answers = list(pool.map(chat, range(12)))
     assert all(a.choices[0].finish_reason in ("length", "stop") and a.usage.completion_tokens <= 8 for a in answers)
 
-    long_prompt = "The quick brown fox jumps over the lazy dog. " * 60  # 2,700 characters
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 25  # 1,125 characters: 3 prompt chunks
     streamed = httpx.post(running.base_url + "/v1/completions", timeout=600, json={
         "model": model, "prompt": long_prompt, "max_tokens": 8, "stream": True})
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
