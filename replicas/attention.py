@@ -28,20 +28,23 @@ from replicas.devices import to_device
 class BatchLayout:
     """Where each new token of a step lives; built by the runner, read by attention.
 
-    The T new tokens come in U page-sized *units* (a unit is at most one page of one row,
-    and starts at the page's first position). Attention is computed per unit: its queries
-    share one page, so they see the same keys (every valid position of the row's pages up
-    to and including their own), which is exactly the block-causal mask. A *cache
+    The T new tokens come in page-sized *units* (a unit is at most one page of one row,
+    and starts at the page's first position), and attention is computed per *span*: a
+    unit, or consecutive units of one row that see the same keys (all of a refreshed
+    bidirectional row's pages; ``ModelRunner.build_inputs`` decides). A span's queries see
+    the same keys (every valid position of the row's pages up to and including their own
+    unit's), which at unit granularity is exactly the block-causal mask. A *cache
     position* is a token's flat index in the KV cache: page x page size + offset.
     """
 
-    unit_start: torch.Tensor  # [U+1] cumulative new-token counts per unit (on the host)
+    span_start: torch.Tensor  # [A+1] cumulative new-token counts per span (on the host)
     cache_positions: torch.Tensor  # [T] cache position each new token's K/V goes to
-    key_cache_positions: torch.Tensor  # [U, Kmax] cache position of each key
-    key_valid: torch.Tensor  # [U, Kmax] False for unused positions (partial prompt page, padding)
+    key_cache_positions: torch.Tensor  # [A, Kmax] cache position of each key
+    key_valid: torch.Tensor  # [A, Kmax] False for unused positions (partial prompt page, padding)
+    span_length: int | None = None  # the longest span's tokens; None: every span is one unit (a page at most)
 
 
-GROUP_BYTES = {"cuda": 1 << 30}  # K and V one group of units gathers at once (``unit_groups``), by device type
+GROUP_BYTES = {"cuda": 1 << 30}  # K and V one group of spans gathers at once (``span_groups``), by device type
 DEFAULT_GROUP_BYTES = 256 << 20
 
 
@@ -51,18 +54,19 @@ def keys_per_group(kv_heads: int, head_dim: int, dtype: torch.dtype, device: tor
     return max(1, budget // (2 * kv_heads * head_dim * dtype.itemsize))
 
 
-def unit_groups(units: int, key_width: int, group_keys: int) -> list[tuple[int, int]]:
-    """Ranges of units attended together. Each unit gathers ``key_width`` keys' K and V
-    from the cache, so a step of many units over long rows (a prompt chunk at 32K
-    positions: 512 units of 4 tokens) would gather tens of gigabytes at once; groups of at
-    most ``group_keys`` keys (or one unit) bound a step's memory whatever the context
+def span_groups(spans: int, key_width: int, group_keys: int) -> list[tuple[int, int]]:
+    """Ranges of spans attended together. Each span gathers ``key_width`` keys' K and V
+    from the cache, so a step of many spans over long rows (a block-causal prompt chunk at
+    32K positions: 512 units of 4 tokens) would gather tens of gigabytes at once; groups of
+    at most ``group_keys`` keys (or one span) bound a step's memory whatever the context
     length. A step of short rows is one group."""
     size = max(1, group_keys // max(key_width, 1))
-    return [(start, min(start + size, units)) for start in range(0, units, size)]
+    return [(start, min(start + size, spans)) for start in range(0, spans, size)]
 
 
 class PagedAttentionContext:
-    """Torch SDPA over gathered pages, one attention row per unit (CPU and fallback)."""
+    """Torch SDPA over gathered pages, one attention row per span, its queries padded to
+    the longest span's (CPU and fallback)."""
 
     def __init__(self, layout: BatchLayout, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                  page_size: int):
@@ -71,20 +75,20 @@ class PagedAttentionContext:
         self.v_cache = v_cache
         self.cache_positions = to_device(layout.cache_positions, device)
         self.key_cache_positions = to_device(layout.key_cache_positions, device)
-        unit_start = layout.unit_start.numpy()  # a host tensor: the index math runs in numpy
-        counts = unit_start[1:] - unit_start[:-1]
-        self.units = counts.size
-        self.page_size = page_size
-        # when every unit is a whole page (denoise-only steps) the packed queries already
-        # have the padded shape and need no scatter/gather
+        span_start = layout.span_start.numpy()  # a host tensor: the index math runs in numpy
+        counts = span_start[1:] - span_start[:-1]
+        self.spans = counts.size
+        self.span_length = layout.span_length or page_size
+        # when every span is as long as the longest (denoise-only steps: whole pages) the
+        # packed queries already have the padded shape and need no scatter/gather
         self.pad_index = None
-        if unit_start[-1] != self.units * page_size:  # (no unit has more than a page)
-            token_unit = np.repeat(np.arange(self.units), counts)
-            offset = np.arange(unit_start[-1]) - unit_start[token_unit]
-            self.pad_index = to_device(torch.from_numpy(token_unit * page_size + offset), device)
-        self.mask = to_device(layout.key_valid.reshape(self.units, 1, 1, -1), device)  # [U, 1, 1, Kmax]
+        if span_start[-1] != self.spans * self.span_length:  # (no span is longer)
+            token_span = np.repeat(np.arange(self.spans), counts)
+            offset = np.arange(span_start[-1]) - span_start[token_span]
+            self.pad_index = to_device(torch.from_numpy(token_span * self.span_length + offset), device)
+        self.mask = to_device(layout.key_valid.reshape(self.spans, 1, 1, -1), device)  # [A, 1, 1, Kmax]
         _, kv_heads, head_dim = k_cache[0].shape
-        self.groups = unit_groups(self.units, layout.key_cache_positions.shape[1],
+        self.groups = span_groups(self.spans, layout.key_cache_positions.shape[1],
                                   keys_per_group(kv_heads, head_dim, k_cache[0].dtype, device))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -92,30 +96,30 @@ class PagedAttentionContext:
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         k_cache.index_copy_(0, self.cache_positions, k.to(k_cache.dtype))
         v_cache.index_copy_(0, self.cache_positions, v.to(v_cache.dtype))
-        units = self.units
+        spans, length = self.spans, self.span_length
         heads, dim = q.shape[1], q.shape[2]
         if self.pad_index is None:
             padded = q
         else:
-            padded = q.new_zeros(units * self.page_size, heads, dim)
+            padded = q.new_zeros(spans * length, heads, dim)
             padded[self.pad_index] = q
-        padded = padded.view(units, self.page_size, heads, dim).transpose(1, 2)
+        padded = padded.view(spans, length, heads, dim).transpose(1, 2)
         if len(self.groups) == 1:
-            out = self._attend_units(padded, k_cache, v_cache, self.key_cache_positions, self.mask)
+            out = self._attend_spans(padded, k_cache, v_cache, self.key_cache_positions, self.mask)
         else:
-            out = torch.cat([self._attend_units(padded[a:b], k_cache, v_cache, self.key_cache_positions[a:b],
+            out = torch.cat([self._attend_spans(padded[a:b], k_cache, v_cache, self.key_cache_positions[a:b],
                                                 self.mask[a:b]) for a, b in self.groups])
-        out = out.transpose(1, 2).reshape(units * self.page_size, heads, dim)
+        out = out.transpose(1, 2).reshape(spans * length, heads, dim)
         return out if self.pad_index is None else out[self.pad_index]
 
     @staticmethod
-    def _attend_units(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def _attend_spans(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       key_cache_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """SDPA of units' queries ``[u, H, L, D]`` over their keys gathered from the cache."""
-        units, span = key_cache_positions.shape
+        """SDPA of spans' queries ``[a, H, L, D]`` over their keys gathered from the cache."""
+        spans, width = key_cache_positions.shape
         flat_positions = key_cache_positions.reshape(-1)
-        keys = k_cache.index_select(0, flat_positions).view(units, span, *k_cache.shape[1:]).transpose(1, 2)
-        values = v_cache.index_select(0, flat_positions).view(units, span, *v_cache.shape[1:]).transpose(1, 2)
+        keys = k_cache.index_select(0, flat_positions).view(spans, width, *k_cache.shape[1:]).transpose(1, 2)
+        values = v_cache.index_select(0, flat_positions).view(spans, width, *v_cache.shape[1:]).transpose(1, 2)
         return F.scaled_dot_product_attention(queries, keys.to(queries.dtype), values.to(queries.dtype),
                                               attn_mask=mask, enable_gqa=queries.shape[1] != keys.shape[1])
 
@@ -136,7 +140,7 @@ class DenseAttentionContext:
 
 
 class FlashAttentionContext:
-    """vllm-flash-attn varlen over the same layout (CUDA, fp16/bf16): each unit's queries
+    """vllm-flash-attn varlen over the same layout (CUDA, fp16/bf16): each span's queries
     against its valid keys, gathered from the pages and packed without padding."""
 
     def __init__(self, layout: BatchLayout, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
@@ -148,14 +152,14 @@ class FlashAttentionContext:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.cache_positions = layout.cache_positions.to(device)
         valid = layout.key_valid
-        self.key_index = layout.key_cache_positions[valid].to(device)  # unit-major: valid keys of unit 0, 1, ...
+        self.key_index = layout.key_cache_positions[valid].to(device)  # span-major: valid keys of span 0, 1, ...
         key_counts = valid.sum(1)
         self.cu_k = torch.zeros(key_counts.numel() + 1, dtype=torch.int32)
         torch.cumsum(key_counts, 0, out=self.cu_k[1:])
         self.max_k = int(key_counts.max())
-        q_counts = layout.unit_start[1:] - layout.unit_start[:-1]
+        q_counts = layout.span_start[1:] - layout.span_start[:-1]
         self.max_q = int(q_counts.max())
-        self.cu_q = layout.unit_start.to(device=device, dtype=torch.int32)
+        self.cu_q = layout.span_start.to(device=device, dtype=torch.int32)
         self.cu_k = self.cu_k.to(device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

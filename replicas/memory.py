@@ -139,7 +139,7 @@ def measure_peak(device: torch.device, run: Callable[[], None]) -> int:
 def largest_step(shape: ServingShape, max_batch: int, refreshes: bool, group_keys: int) -> tuple[int, int, int]:
     """(tokens, key width, keys beyond) of the profiled step: the scheduler's token budget,
     its units seeing as many keys together as one attention group gathers
-    (``attention.unit_groups``: at most ``group_keys``), so that the attention's peak is the
+    (``attention.span_groups``: at most ``group_keys``), so that the attention's peak is the
     one of any context length, without its cost; "keys beyond": what one unit of
     ``max_model_len`` keys gathers past ``group_keys`` (its own group), added by bytes.
     A refreshing model's steps can be larger (every row's whole sequence): ``plan_pool``
@@ -164,7 +164,7 @@ def profile_step(model: torch.nn.Module, spec: ModelSpec, tokens: int, rows: int
                for _ in range(spec.num_layers)]
     scratch_v = [torch.zeros_like(k) for k in scratch]
     layout = BatchLayout(
-        unit_start=torch.from_numpy(np.arange(units + 1, dtype=np.int64) * size),
+        span_start=torch.from_numpy(np.arange(units + 1, dtype=np.int64) * size),
         cache_positions=torch.from_numpy(np.arange(tokens, dtype=np.int64) % size),
         key_cache_positions=torch.zeros(units, key_width, dtype=torch.int64),
         key_valid=torch.ones(units, key_width, dtype=torch.bool))

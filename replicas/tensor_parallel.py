@@ -28,7 +28,7 @@ from replicas.models.parallel import TensorParallel
 GROUP_TIMEOUT_S = 120.0  # a collective waiting this long for a rank fails (a dead rank ends its replica)
 _FORWARD, _CLOSE = 1, 0
 _TENSORS = 7  # input ids, positions, the layout's four, the logits' positions
-_HEADER = 1 + 2 * _TENSORS  # the command, then each tensor's two dimensions (-1: none)
+_HEADER = 2 + 2 * _TENSORS  # the command, the layout's span length (0: none), each tensor's two dimensions (-1: none)
 
 
 class ForwardBroadcast:
@@ -43,12 +43,12 @@ class ForwardBroadcast:
     def send(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
              logits_index: torch.Tensor) -> None:
         """The inputs of the forward rank 0 is about to run, to every other rank."""
-        tensors = [input_ids, positions, layout.unit_start, layout.cache_positions, layout.key_cache_positions,
+        tensors = [input_ids, positions, layout.span_start, layout.cache_positions, layout.key_cache_positions,
                    layout.key_valid.to(torch.int64), logits_index]
         dims = []
         for tensor in tensors:
             dims += list(tensor.shape) + [-1] * (2 - tensor.dim())
-        self._broadcast(torch.tensor([_FORWARD] + dims, dtype=torch.int64))
+        self._broadcast(torch.tensor([_FORWARD, layout.span_length or 0] + dims, dtype=torch.int64))
         for tensor in tensors:
             self._broadcast(tensor.to(torch.int64))
 
@@ -78,11 +78,12 @@ def follow(model: torch.nn.Module, kv_cache: KVCache, backend: str, tp: TensorPa
             header = receive([_HEADER]).tolist()
             if header[0] == _CLOSE:
                 return forwards
-            dims = [header[1 + 2 * i: 3 + 2 * i] for i in range(_TENSORS)]
-            input_ids, positions, unit_start, cache_positions, key_positions, key_valid, logits_index = map(
+            dims = [header[2 + 2 * i: 4 + 2 * i] for i in range(_TENSORS)]
+            input_ids, positions, span_start, cache_positions, key_positions, key_valid, logits_index = map(
                 receive, dims)
-            layout = BatchLayout(unit_start=unit_start, cache_positions=cache_positions,
-                                 key_cache_positions=key_positions, key_valid=key_valid.bool())
+            layout = BatchLayout(span_start=span_start, cache_positions=cache_positions,
+                                 key_cache_positions=key_positions, key_valid=key_valid.bool(),
+                                 span_length=header[1] or None)
             context = paged_context(backend, layout, kv_cache.k, kv_cache.v, block_length)
             model(input_ids.to(device), positions.to(device), context, logits_index.view(-1).to(device))
             forwards += 1

@@ -49,7 +49,7 @@ def random_layout(units_per_row=(3, 1, 5, 2), pages=64, generator=None):
 def compare_backends(heads=16, kv_heads=4, dim=128, dtype=torch.bfloat16) -> float:
     generator = torch.Generator().manual_seed(0)
     layout = random_layout(generator=generator)
-    tokens, pages = int(layout.unit_start[-1]), 64
+    tokens, pages = int(layout.span_start[-1]), 64
     k_cache = [torch.randn(pages * PAGE, kv_heads, dim, dtype=dtype, device="cuda")]
     v_cache = [torch.randn(pages * PAGE, kv_heads, dim, dtype=dtype, device="cuda")]
     q = torch.randn(tokens, heads, dim, dtype=dtype, device="cuda")

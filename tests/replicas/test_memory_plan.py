@@ -101,7 +101,7 @@ def test_attention_over_long_rows_in_groups_equals_one_group(monkeypatch):
     k_cache = [torch.randn(64, kv_heads, dim, generator=generator)]
     v_cache = [torch.randn(64, kv_heads, dim, generator=generator)]
     layout = BatchLayout(
-        unit_start=torch.arange(units + 1) * page - torch.tensor([0] + [1] * units),  # the first unit partial
+        span_start=torch.arange(units + 1) * page - torch.tensor([0] + [1] * units),  # the first unit partial
         cache_positions=torch.arange(units * page - 1) + 32,
         key_cache_positions=torch.randint(0, 64, (units, width), generator=generator),
         key_valid=torch.rand(units, width, generator=generator) > 0.3)

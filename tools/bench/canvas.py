@@ -35,9 +35,11 @@ class IdsOnly:
 def random_llada(d_model: int = 2048, layers: int = 16, heads: int = 16, mlp: int = 5632,
                  vocab: int = LLADA_VOCAB, seed: int = 0, device: str = "cpu",
                  dtype: torch.dtype = torch.float32) -> LLaDAModelLM:
+    """A random LLaDA; a vocabulary smaller than LLaDA's has its mask and end ids at its top."""
     torch.manual_seed(seed)
+    mask_id, eos_id = (LLADA_MASK_ID, LLADA_EOS_ID) if vocab > LLADA_MASK_ID else (vocab - 1, vocab - 2)
     config = LLaDAConfig(d_model=d_model, n_heads=heads, n_layers=layers, mlp_hidden_size=mlp, vocab_size=vocab,
-                         max_sequence_length=4096, mask_token_id=LLADA_MASK_ID, eos_token_id=LLADA_EOS_ID)
+                         max_sequence_length=4096, mask_token_id=mask_id, eos_token_id=eos_id)
     return built_on(device, dtype, lambda: LLaDAModelLM(config))
 
 

@@ -78,8 +78,10 @@ def cmd_bench(args) -> int:
         from tools.bench.forward import bench_forward
 
         heads = args.heads or max(1, args.d_model // 64)
-        shape = {"llada": dict(d_model=args.d_model, layers=args.layers, heads=heads, mlp=int(args.d_model * 2.75)),
-                 "sdar": dict(hidden=args.d_model, layers=args.layers, heads=heads, vocab=args.vocab)}
+        vocab = {} if args.vocab is None else {"vocab": args.vocab}
+        shape = {"llada": dict(d_model=args.d_model, layers=args.layers, heads=heads,
+                               mlp=args.mlp or int(args.d_model * 2.75), **vocab),
+                 "sdar": dict(hidden=args.d_model, layers=args.layers, heads=heads, ffn=args.mlp, **vocab)}
         result = bench_forward(tuple(args.architectures), tuple(args.batch_sizes), args.prompt_len, args.max_tokens,
                                args.steps, args.rounds, device=args.device, dtype=args.dtype, **shape)
     elif args.target == "tp":
@@ -218,14 +220,16 @@ def add_engine_benches(targets) -> None:
     forward.add_argument("--architectures", nargs="+", choices=["llada", "sdar"], default=["llada", "sdar"],
                          help="random weights of these (default: both): LLaDA on its full canvas, SDAR on blocks")
     _add_workload_options(forward, batch_sizes=[1, 8], steps=4, rounds=3, rounds_help="rounds of both sides")
-    forward.add_argument("--d-model", type=int, default=512,
-                         help="hidden size (default 512; heads of 64; LLaDA keeps its vocabulary of 126464)")
+    forward.add_argument("--d-model", type=int, default=512, help="hidden size (default 512; heads of 64)")
     forward.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
     forward.add_argument("--heads", type=int,
                          help="attention heads (default: d-model / 64; SDAR has half as many KV heads)")
-    forward.add_argument("--vocab", type=int, default=32768,
-                         help="SDAR's vocabulary (default 32768; --d-model 2048 --layers 28 --heads 16 --vocab 151936 "
-                              "is SDAR-1.7B's shape)")
+    forward.add_argument("--mlp", type=int, help="the MLP's width (default: 2.75 x d-model for LLaDA, 3 x for SDAR)")
+    forward.add_argument("--vocab", type=int,
+                         help="the vocabulary (default: LLaDA's 126464 and 32768 for SDAR; --d-model 2048 --layers 28 "
+                              "--heads 16 --mlp 6144 --vocab 151936 is SDAR-1.7B's shape). A small one leaves the "
+                              "layers' own cost: --architectures llada --d-model 512 --layers 8 --heads 8 --mlp 1376 "
+                              "--vocab 320 is where the engine once lost to Fast-dLLM's model code")
     _add_device_options(forward)
     forward.add_argument("--json", action="store_true", help="one JSON object on one line")
     forward.set_defaults(func=cmd_bench)

@@ -11,10 +11,10 @@ parameter name), not its code.
 
 Each configuration runs the engine without a KV cache (``kv_cache: none``: every forward
 recomputes each row's sequence, as the published generate() does without one) on random
-weights with ``fixed_steps``, recording every forward's seconds and tokens; the reference
-then runs the same shapes. Rounds alternate which goes first, and the ratio (project /
-reference forward seconds; under 1 is faster) is the median over the rounds, with its
-spread. Random weights: what is measured is the work, not the answers. Both sides run on
+weights with ``fixed_steps``, recording every forward's seconds and tokens, and runs the
+reference forward of the same ids beside each one, before and after it in turn. The ratio
+(project / reference forward seconds; under 1 is faster) is the median over the rounds,
+with its spread. Random weights: what is measured is the work, not the answers. Both sides run on
 the bench's device and are timed alike (``replicas.runner.ForwardTimer``: CUDA events on
 a GPU, the wall clock on a CPU).
 """
@@ -97,37 +97,63 @@ def reference_logits(net: DecoderLM, ids: torch.Tensor, block_causal: int | None
 
 
 def project_forwards(net: DecoderLM, canvas: str, batch: int, prompt_len: int, max_tokens: int,
-                     steps: int, place: BenchDevice = BenchDevice()) -> list[tuple[float, int]]:
-    """(seconds, tokens per row) of every forward the engine runs for ``batch`` requests at
-    once (the tokens each row feeds, as the runner built them: without a cache, its sequence)."""
+                     steps: int, place: BenchDevice = BenchDevice(),
+                     paired: bool = False) -> list[tuple[float, float | None, int]]:
+    """(seconds, reference seconds, tokens per row) of every forward the engine runs for
+    ``batch`` requests at once (the tokens each row feeds, as the runner built them: without
+    a cache, its sequence). ``paired``: each forward has the reference forward of the same
+    ids run right before it or right after it, in turn (so both sides see the same input
+    values and the machine's same moment: a shared CPU's speed drifts by tens of percent
+    within seconds); else the reference seconds are None."""
     engine = Engine(net, IdsOnly(), place.engine_config(
         net.spec, max_batch=batch, canvas=canvas, kv_cache="none", fdfo_fill_hold=False,
         max_model_len=prompt_len + max_tokens + 64, algorithm="fixed_steps", algorithm_params={"steps": steps}))
     prompts = [[1 + (i * 37 + r * 101) % (net.shape.vocab_size // 2) for i in range(prompt_len)] for r in range(batch)]
-    lengths, seconds = [], []
+    block = None if canvas == "full" else net.spec.block_length
+    lengths, seconds, reference = [], [], []
     build = engine.runner.build_inputs
+
+    def time_reference(ids: torch.Tensor) -> None:
+        timer = ForwardTimer(ids.device)
+        reference_logits(net, ids, block)
+        reference.append(timer.stop().seconds())
 
     def recording(scheduled, refreshed):
         inputs = build(scheduled, refreshed)
         lengths.append(inputs[0].numel() // scheduled.num_rows)
+        if paired:
+            rows = inputs[0].view(scheduled.num_rows, -1).to(next(net.parameters()).device)
+            if len(lengths) % 2:
+                time_reference(rows)
+            else:  # after the forward, once the step has read its results
+                after.append(rows)
         return inputs
 
+    after: list[torch.Tensor] = []
+
+    def on_step(stats) -> None:
+        if stats.forward_s:
+            seconds.append(stats.forward_s)
+        while after:
+            time_reference(after.pop())
+
     engine.runner.build_inputs = recording
-    engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    on_step=lambda stats: stats.forward_s and seconds.append(stats.forward_s))
-    return list(zip(seconds, lengths, strict=True))
+    with torch.inference_mode():
+        engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), on_step=on_step)
+    return list(zip(seconds, reference if paired else [None] * len(seconds), lengths, strict=True))
 
 
 def reference_forwards(net: DecoderLM, canvas: str, batch: int, shapes: list[int]) -> list[float]:
     """Seconds of the reference forward at each sequence length in ``shapes``, on the
-    model's device, timed as the engine times its forwards."""
+    model's device, timed as the engine times its forwards (the bench's warm-up)."""
     block = None if canvas == "full" else net.spec.block_length
     device = next(net.parameters()).device
     seconds = []
     for length in shapes:
         ids = torch.randint(0, net.shape.vocab_size, (batch, length), device=device)
         timer = ForwardTimer(device)
-        reference_logits(net, ids, block)
+        with torch.inference_mode():
+            reference_logits(net, ids, block)
         seconds.append(timer.stop().seconds())
     return seconds
 
@@ -148,21 +174,16 @@ def bench_forward(architectures=("llada", "sdar"), batch_sizes=(1, 8), prompt_le
                  "block_length": net.spec.block_length}
         for batch in batch_sizes:
             # the shapes every run has, and a warm-up of both sides (allocator, weights paged in)
-            shapes = [length for _, length in project_forwards(net, canvas, batch, prompt_len, max_tokens, steps,
-                                                               place)]
+            shapes = [length for *_, length in project_forwards(net, canvas, batch, prompt_len, max_tokens, steps,
+                                                                place)]
             reference_forwards(net, canvas, batch, shapes)
             ratios, project_ms, reference_ms = [], [], []
-            for r in range(rounds):
-                measured = {}
-                for side in ("project", "reference") if r % 2 == 0 else ("reference", "project"):
-                    if side == "project":
-                        measured[side] = [s for s, _ in project_forwards(net, canvas, batch, prompt_len, max_tokens,
-                                                                           steps, place)]
-                    else:
-                        measured[side] = reference_forwards(net, canvas, batch, shapes)
-                ratios.append(sum(measured["project"]) / sum(measured["reference"]))
-                project_ms.append(1000 * statistics.median(measured["project"]))
-                reference_ms.append(1000 * statistics.median(measured["reference"]))
+            for _ in range(rounds):
+                project, reference, _ = zip(*project_forwards(net, canvas, batch, prompt_len, max_tokens, steps,
+                                                              place, paired=True))
+                ratios.append(sum(project) / sum(reference))
+                project_ms.append(1000 * statistics.median(project))
+                reference_ms.append(1000 * statistics.median(reference))
             entry[f"batch_{batch}"] = {
                 "forwards": len(shapes), "tokens_per_row": sorted(set(shapes)),
                 "project_ms_per_forward": round(statistics.median(project_ms), 2),

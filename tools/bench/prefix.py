@@ -28,12 +28,13 @@ from replicas.models.transformer import QwenStyleConfig
 
 
 def random_sdar(hidden: int = 512, layers: int = 8, heads: int = 8, vocab: int = 32768, block_length: int = 32,
-                seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> SDARForCausalLM:
+                seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                ffn: int | None = None) -> SDARForCausalLM:
     """Random weights in SDAR's architecture: half as many KV heads as heads, heads of
-    ``hidden / heads``, an FFN of 3 x ``hidden``, tied embeddings (``hidden=2048, layers=28,
+    ``hidden / heads``, an FFN of ``ffn`` (default 3 x ``hidden``), tied embeddings (``hidden=2048, layers=28,
     heads=16, vocab=151936``: SDAR-1.7B's shape)."""
     torch.manual_seed(seed)
-    config = QwenStyleConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+    config = QwenStyleConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn or 3 * hidden,
                              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
                              max_position_embeddings=8192, tie_word_embeddings=True, mask_token_id=vocab - 1,
                              eos_token_id=vocab - 2, architectures=("SDARForCausalLM",), model_type="sdar")

@@ -34,8 +34,8 @@ def test_without_a_cache_each_forward_feeds_the_rows_whole_sequence():
     net = build(**SMALL["sdar"])
     block = net.spec.block_length
     forwards = project_forwards(net, "block", batch=2, prompt_len=block, max_tokens=2 * block, steps=3)
-    assert [length for _, length in forwards] == [2 * block] * 3 + [3 * block] * 3  # prompt + blocks so far
-    assert all(seconds > 0 for seconds, _ in forwards)
+    assert [length for *_, length in forwards] == [2 * block] * 3 + [3 * block] * 3  # prompt + blocks so far
+    assert all(seconds > 0 and reference is None for seconds, reference, _ in forwards)
 
 
 @pytest.mark.bench
