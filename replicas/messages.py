@@ -130,15 +130,21 @@ class WholeAnswer:
             self.on_block(steps, len(token_ids))
 
     def ended(self, last: GenerateChunk) -> GenerateChunk:
-        if last.error:
-            return last
-        logprobs = None if last.logprobs is None else self.logprobs + last.logprobs
-        return replace(last, text="".join(self.texts) + last.text, token_ids=self.token_ids + last.token_ids,
-                       logprobs=logprobs)
+        """The answer: a new chunk (``last`` stays as it is)."""
+        return last if last.error else self._joined_into(replace(last))
 
     def __call__(self, last: GenerateChunk) -> None:
+        """The engine's last chunk, made for this receiver alone: the answer is joined into
+        it (no copy of a chunk in the engine's step)."""
         if self.deliver is not None:
-            self.deliver(self.ended(last))
+            self.deliver(last if last.error else self._joined_into(last))
+
+    def _joined_into(self, last: GenerateChunk) -> GenerateChunk:
+        last.text = "".join(self.texts) + last.text
+        last.token_ids = self.token_ids + last.token_ids
+        if last.logprobs is not None:
+            last.logprobs = self.logprobs + last.logprobs
+        return last
 
 
 def joined(chunks: Sequence[GenerateChunk]) -> GenerateChunk:

@@ -183,7 +183,9 @@ class ModelRunner:
         else:
             sees = page_index
         span_start, span_length, span_row = unit_start, None, unit_row
-        if unit_row.size > batch.num_rows:  # some row has several units: they may attend as one span
+        # some row of a bidirectional model has several units: they may attend as one span
+        # (a block-causal row's units each see up to their own page)
+        if self.bidirectional and unit_row.size > batch.num_rows:
             spans = self._spans(unit_row, sees, unit_start)
             if spans is not None:
                 first, span_start, span_length = spans
