@@ -4,6 +4,7 @@ from . import dream, fast_dllm_factor, fast_dllm_threshold, fixed_steps, joint_t
 from .base import (
     AlgorithmError,
     AlgorithmParams,
+    AlgorithmStep,
     DllmAlgorithm,
     available_algorithms,
     get_algorithm,
@@ -13,6 +14,7 @@ from .base import (
 __all__ = [
     "AlgorithmError",
     "AlgorithmParams",
+    "AlgorithmStep",
     "DllmAlgorithm",
     "available_algorithms",
     "get_algorithm",

@@ -9,9 +9,11 @@ Conventions shared by every implementation:
 
 * ``block`` is ``LongTensor[B, L]``: the tokens of each row's active block exactly as
   they were fed to the forward that produced ``logits`` (``FloatTensor[B, L, V]``).
-  ``step`` updates ``block`` in place and returns ``BoolTensor[B]``: True where the row's
-  block is done, or None where a block is done exactly when it was fed with no mask (the
-  caller knows which before the step, and the step saves the ops that would say it).
+  ``step`` updates ``block`` in place (the caller's buffer for the step's tokens) and
+  returns an ``AlgorithmStep``: ``done``, ``BoolTensor[B]``, True where the row's block is
+  done, or None where a block is done exactly when it was fed with no mask (the caller
+  knows which before the step, and the step saves the ops that would say it); and the
+  rows' states for their next step.
 * A block is done when the forward saw it with no mask left, so the KV computed in
   that forward is the block's final KV (algorithms that edit may wait longer).
   ``final_when_filled``: that last forward can change nothing (the rule never edits a
@@ -21,8 +23,10 @@ Conventions shared by every implementation:
   ``fills_every_step`` is False (a schedule that may skip a step, like Dream's, and bounds
   its forwards with ``max_steps_per_block`` instead).
 * Per-request parameters are frozen dataclasses made by ``make_params``; per-block
-  state comes from ``init_state`` (called when a block starts) and is mutated by
-  ``step``.
+  state comes from ``init_state`` (called when a block starts) and is a value: ``step``
+  reads it and returns each row's next one (``AlgorithmStep.states``), which the caller
+  keeps for the row's next step (the engine's scheduler, the one writer of request state).
+  A state's noise (``sampling.RowNoise``) is a random stream: drawing from it advances it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -99,6 +103,16 @@ class AlgorithmParams:
             check_number("seed", self.seed, minimum=0, maximum=MAX_SEED, integer=True)
 
 
+class AlgorithmStep(NamedTuple):
+    """What one step of a rule returns (see the module docstring)."""
+
+    done: torch.Tensor | None = None  # [B] bool; None: done where the block was fed with no mask
+    states: list | None = None  # each row's state for its next step; None: the states stay as they are
+
+
+UNCHANGED = AlgorithmStep()  # done where fed with no mask, states as they are (the stateless rules' step)
+
+
 class DllmAlgorithm(ABC):
     """One token-selection rule; subclasses are stateless singletons."""
 
@@ -151,9 +165,9 @@ class DllmAlgorithm(ABC):
         mask_id: int,
         params: Sequence[AlgorithmParams],
         states: Sequence[Any | None],
-    ) -> torch.Tensor | None:
-        """Fill/edit ``block`` in place from ``logits``; return done flags per row, or None:
-        done where the block was fed with no mask (see the module docstring)."""
+    ) -> AlgorithmStep:
+        """Fill/edit ``block`` in place from ``logits``, reading the rows' ``states``; the
+        rows' done flags and next states (see the module docstring)."""
 
 
 _REGISTRY: dict[str, DllmAlgorithm] = {}

@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import AlgorithmParams, DllmAlgorithm
+from .base import UNCHANGED, AlgorithmParams, AlgorithmStep, DllmAlgorithm
 from .sampling import Proposal, RowNoise, greedy_on_host, on_host
 from .selection import above_or_best, above_or_best_on_host, masked_confidence, per_row, per_row_on_host
 
@@ -44,18 +44,18 @@ class ConfidenceRule(DllmAlgorithm):
         mask_id: int,
         params: Sequence[AlgorithmParams],
         states: Sequence[RowNoise | None],
-    ) -> None:
+    ) -> AlgorithmStep:
         if self.choose_on_host is not None and on_host(logits) and not any(p.temperature > 0 for p in params):
             tokens, confidence = greedy_on_host(logits, mask_id)
             fed = block.numpy()
             chosen = self.choose_on_host(np.where(fed == mask_id, confidence, -np.inf), params)
             np.copyto(fed, tokens, where=chosen)
-            return None
+            return UNCHANGED
         masked = block == mask_id
         tokens, confidence = self.propose(logits, mask_id, params, states)
         chosen = self.choose(masked_confidence(confidence, masked), params)
         torch.where(chosen, tokens, block, out=block)
-        return None  # done: fed with no mask (nothing else is ever written)
+        return UNCHANGED  # done: fed with no mask (nothing else is ever written); the state: its noise
 
     @abstractmethod
     def choose(self, confidence: torch.Tensor, params: Sequence[AlgorithmParams]) -> torch.Tensor:

@@ -27,10 +27,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from .base import AlgorithmError, DllmAlgorithm, check_number, register, short_repr
+from .base import AlgorithmError, AlgorithmStep, DllmAlgorithm, check_number, register, short_repr
 from .fixed_steps import MAX_STEPS
 from .sampling import RowNoise, TopKTopPParams, greedy_tokens, sampling_rows, uniform_rows
 from .selection import masked_confidence, per_row, top_n
@@ -55,8 +56,7 @@ class DreamParams(TopKTopPParams):
         check_number("eps", self.eps, minimum=0, maximum=1, exclusive_minimum=True)
 
 
-@dataclasses.dataclass
-class DreamState:
+class DreamState(NamedTuple):
     noise: RowNoise | None
     steps_taken: int = 0
 
@@ -84,7 +84,7 @@ class Dream(DllmAlgorithm):
         mask_id: int,
         params: Sequence[DreamParams],
         states: Sequence[DreamState],
-    ) -> torch.Tensor:
+    ) -> AlgorithmStep:
         masked = block == mask_id
         remaining = masked.sum(-1)
         noise = [state.noise for state in states]
@@ -103,9 +103,7 @@ class Dream(DllmAlgorithm):
             chosen[rows] = top_n(_sampled_keys(confidence, [params[i] for i in rows], [noise[i] for i in rows]),
                                  quota[rows])
         block.copy_(torch.where(chosen, tokens, block))
-        for state in states:
-            state.steps_taken += 1
-        return remaining == 0
+        return AlgorithmStep(remaining == 0, [state._replace(steps_taken=state.steps_taken + 1) for state in states])
 
 
 def _probabilities(logits: torch.Tensor, params: Sequence[DreamParams]) -> torch.Tensor:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from .base import AlgorithmError, AlgorithmParams, DllmAlgorithm, check_number, register, short_repr
+from .base import AlgorithmError, AlgorithmParams, AlgorithmStep, DllmAlgorithm, check_number, register, short_repr
 from .sampling import RowNoise, gumbel_tokens, token_probability, uniform_rows
 from .selection import masked_confidence, per_row, top_n
 
@@ -49,8 +50,7 @@ class FixedStepsParams(AlgorithmParams):
                 raise AlgorithmError(f"{name} must be one of {allowed}, got {short_repr(value)}", param=name)
 
 
-@dataclasses.dataclass
-class FixedStepsState:
+class FixedStepsState(NamedTuple):
     noise: RowNoise | None
     initial_masks: int | None = None  # masks in the block at its first step
     steps_taken: int = 0
@@ -78,11 +78,12 @@ class FixedSteps(DllmAlgorithm):
         mask_id: int,
         params: Sequence[FixedStepsParams],
         states: Sequence[FixedStepsState],
-    ) -> torch.Tensor:
+    ) -> AlgorithmStep:
         device = block.device
         masked = block == mask_id
         remaining = masked.sum(-1)
-        quota = _next_quota(remaining, block.shape[1], params, states)
+        states = _counted(remaining, block.shape[1], params, states)
+        quota = _quota(remaining, params, states)
 
         noise = [state.noise for state in states]
         tokens = gumbel_tokens(logits, mask_id, params, noise)
@@ -101,24 +102,26 @@ class FixedSteps(DllmAlgorithm):
             above = confidence > per_row(params, "threshold", device, confidence.dtype)[:, None]
             chosen = torch.where((above.sum(-1) >= quota)[:, None], above, chosen)
         block.copy_(torch.where(chosen, tokens, block))
-        return remaining == 0
+        return AlgorithmStep(remaining == 0, [state._replace(steps_taken=state.steps_taken + 1) for state in states])
 
 
-def _next_quota(
-    remaining: torch.Tensor, block_length: int, params: Sequence[FixedStepsParams], states: Sequence[FixedStepsState]
-) -> torch.Tensor:
-    """Tokens to fill this step per row, from LLaDA's schedule; advances each row's step count.
+def _counted(remaining: torch.Tensor, block_length: int, params: Sequence[FixedStepsParams],
+             states: Sequence[FixedStepsState]) -> list[FixedStepsState]:
+    """The states with the masks each row's schedule counts from, set at its block's first step."""
+    return [state if state.initial_masks is not None else
+            state._replace(initial_masks=count if p.schedule == "masks" else block_length)
+            for state, p, count in zip(states, params, remaining.tolist())]
+
+
+def _quota(remaining: torch.Tensor, params: Sequence[FixedStepsParams],
+           states: Sequence[FixedStepsState]) -> torch.Tensor:
+    """Tokens to fill this step per row, from LLaDA's schedule.
 
     Never 0 while masks remain (should the block hold more masks than the schedule expects).
     """
-    for state, p, count in zip(states, params, remaining.tolist()):
-        if state.initial_masks is None:
-            state.initial_masks = count if p.schedule == "masks" else block_length
     device = remaining.device
     initial = per_row(states, "initial_masks", device, torch.long)
     taken = per_row(states, "steps_taken", device, torch.long)
     steps = per_row(params, "steps", device, torch.long)
-    for state in states:
-        state.steps_taken += 1
     scheduled = initial // steps + (taken < initial % steps)
     return scheduled.clamp(min=1).minimum(remaining)

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from .base import DllmAlgorithm, check_number, register
+from .base import AlgorithmStep, DllmAlgorithm, check_number, register
 from .sampling import RowNoise, TopKTopPParams, categorical, greedy
 from .selection import above_or_best, masked_confidence, per_row
 
@@ -48,8 +49,7 @@ class JointThresholdParams(TopKTopPParams):
         check_number("penalty_lambda", self.penalty_lambda, minimum=0, maximum=MAX_PENALTY_LAMBDA)
 
 
-@dataclasses.dataclass
-class JointThresholdState:
+class JointThresholdState(NamedTuple):
     noise: RowNoise | None
     post_edit_steps: int = 0
     # Positions already filled at the block's first step: not generated here, never edited.
@@ -75,15 +75,16 @@ class JointThreshold(DllmAlgorithm):
         mask_id: int,
         params: Sequence[JointThresholdParams],
         states: Sequence[JointThresholdState],
-    ) -> torch.Tensor:
+    ) -> AlgorithmStep:
         device = block.device
         masked = block == mask_id
         has_mask = masked.any(-1)
-        fixed = _fixed_positions(masked, states)
+        fixed = [~masked[row] if state.fixed is None else state.fixed for row, state in enumerate(states)]
 
         post_edit_steps = per_row(states, "post_edit_steps", device, torch.long) + ~has_mask
-        for state, count in zip(states, post_edit_steps.tolist()):
-            state.post_edit_steps = count
+        states = [state._replace(post_edit_steps=count, fixed=row_fixed)
+                  for state, count, row_fixed in zip(states, post_edit_steps.tolist(), fixed)]
+        fixed = torch.stack(fixed)
         spent = post_edit_steps > per_row(params, "max_post_edit_steps", device, torch.long)
 
         scores = _penalize_repeats(logits, block, params)
@@ -102,15 +103,7 @@ class JointThreshold(DllmAlgorithm):
             & (best.confidence > edit_threshold[:, None])
         )
         block.copy_(torch.where(fill, tokens, torch.where(edit, best.tokens, block)))
-        return ~has_mask & (spent | ~edit.any(-1))
-
-
-def _fixed_positions(masked: torch.Tensor, states: Sequence[JointThresholdState]) -> torch.Tensor:
-    """Each row's ``fixed`` positions, recorded at the row's first step of the block."""
-    for row, state in enumerate(states):
-        if state.fixed is None:
-            state.fixed = ~masked[row]
-    return torch.stack([state.fixed for state in states])
+        return AlgorithmStep(~has_mask & (spent | ~edit.any(-1)), states)
 
 
 def _penalize_repeats(

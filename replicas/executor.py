@@ -4,8 +4,8 @@ changes no request (``replicas.step``).
 
 The stepped blocks' tokens live in the row table (``replicas.rows``): they are read on
 the host before the forward, advanced by the algorithms on the device, and written back
-to the rows. The algorithms advance their per-block state (``Request.algorithm_state``,
-which nothing else reads) as they step.
+to the rows. The algorithms read their per-block states (``Request.algorithm_state``)
+and return the next ones, which the output carries to the scheduler.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from algorithms import DllmAlgorithm
+from algorithms import AlgorithmStep, DllmAlgorithm
 from replicas.devices import to_device
 from replicas.logprobs import step_logprobs
 from replicas.request import Request
@@ -56,7 +56,7 @@ class StepExecutor:
             raise ForwardFailed(f"model forward failed: {exc}") from exc
         forward_cpu = time.thread_time() - forward_cpu
         if not requests:  # prompt chunks only
-            return StepOutput([], [], [], None, [], forward_timer.seconds(), forward_cpu)
+            return StepOutput([], [], [], None, [], None, forward_timer.seconds(), forward_cpu)
         if len(requests) < batch.advances.size:  # idle rows (sync, static) computed but not advanced
             logits = logits[to_device(torch.from_numpy(batch.advances), logits.device)]
         fed_unmasked = [not stale for stale in kv_stale]
@@ -64,7 +64,7 @@ class StepExecutor:
         asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         before = blocks[asking] if asking else None  # a copy (indexed by a list)
         failed: list[tuple[Request, str]] = []
-        done = self._run_algorithms(requests, logits, blocks, fed_unmasked, failed)
+        done, states = self._run_algorithms(requests, logits, blocks, fed_unmasked, failed)
         logprobs = None
         if asking:
             logprobs = [None] * len(requests)
@@ -85,13 +85,13 @@ class StepExecutor:
             mask_id = self.mask_id
             done = [is_done or (mask_id not in ids and request.algorithm.final_when_filled)
                     for is_done, ids, request in zip(done, block_ids, requests)]
-        return StepOutput(block_ids, done, kv_stale, logprobs, failed, forward_timer.seconds(), forward_cpu)
+        return StepOutput(block_ids, done, kv_stale, logprobs, failed, states, forward_timer.seconds(), forward_cpu)
 
     def _run_algorithms(self, requests: list[Request], logits: torch.Tensor, blocks: torch.Tensor,
-                        fed_unmasked: list[bool], failed: list) -> torch.Tensor | None:
-        """One algorithm step per block, in place; [R] bool: the block is done, or None where
-        that is ``fed_unmasked`` (see ``DllmAlgorithm.step``). A failing algorithm's rows go
-        to ``failed``."""
+                        fed_unmasked: list[bool], failed: list) -> AlgorithmStep:
+        """One algorithm step per block (``blocks`` in place): [R] bool, the block is done, or
+        None where that is ``fed_unmasked``; the blocks' next states, or None where they stay
+        (see ``DllmAlgorithm.step``). A failing algorithm's rows go to ``failed``."""
         groups: dict[DllmAlgorithm, list[int]] = {}
         for i, request in enumerate(requests):
             groups.setdefault(request.algorithm, []).append(i)
@@ -99,18 +99,23 @@ class StepExecutor:
             [algorithm] = groups
             return self._step_algorithm(algorithm, requests, logits, blocks, failed)
         done = torch.tensor(fed_unmasked, device=logits.device)
+        states = None
         for algorithm, members in groups.items():
             index = to_device(torch.tensor(members), logits.device)
             sub_blocks = blocks[index]
-            sub_done = self._step_algorithm(algorithm, [requests[i] for i in members], logits[index], sub_blocks,
-                                            failed)
+            sub_done, sub_states = self._step_algorithm(algorithm, [requests[i] for i in members], logits[index],
+                                                        sub_blocks, failed)
             if sub_done is not None:
                 done[index] = sub_done
+            if sub_states is not None:
+                states = states or [r.algorithm_state for r in requests]
+                for i, state in zip(members, sub_states):
+                    states[i] = state
             blocks[index] = sub_blocks
-        return done
+        return AlgorithmStep(done, states)
 
     def _step_algorithm(self, algorithm: DllmAlgorithm, requests: list[Request], logits: torch.Tensor,
-                        blocks: torch.Tensor, failed: list) -> torch.Tensor | None:
+                        blocks: torch.Tensor, failed: list) -> AlgorithmStep:
         """``algorithm``'s step over its rows; a failure sends them to ``failed`` (none done)."""
         try:
             return algorithm.step(logits, blocks, self.mask_id, [r.algorithm_params for r in requests],
@@ -118,4 +123,4 @@ class StepExecutor:
         except Exception as exc:
             log.exception("algorithm %s failed", algorithm.name)
             failed.extend((request, f"algorithm {algorithm.name} failed: {exc}") for request in requests)
-            return torch.zeros(len(requests), dtype=torch.bool, device=blocks.device)
+            return AlgorithmStep(torch.zeros(len(requests), dtype=torch.bool, device=blocks.device))

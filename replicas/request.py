@@ -58,7 +58,7 @@ class Request:
     unwritten_page: int | None = None  # page index of a committed block whose final KV is not cached yet
     unwritten_ids: tuple[int, ...] | None = None  # that block's ids, which key its page in the prefix cache
     num_steps: int = 0
-    algorithm_state: Any = None  # the algorithm's own, for the active block: its step advances it, nothing else reads it
+    algorithm_state: Any = None  # the algorithm's own, for the active block: a value its step reads and replaces
     output_ids: list[int] = field(default_factory=list)  # starts as ``params.resume_ids``
     # its text so far: advanced by the output processor as blocks commit (None where the
     # receiver decodes the text, ``text_at_end``)

@@ -110,7 +110,8 @@ class Scheduler:
 
     def update_from_output(self, step: ScheduledStep, output: StepOutput) -> list[tuple[Request, BlockCommit]]:
         """Apply what executing ``step`` computed: cache the pages whose final KV it wrote,
-        count each stepped block's step, record its log-probabilities, and commit the done
+        count each stepped block's step, keep its algorithm's next state, record its
+        log-probabilities, and commit the done
         blocks into their requests' outputs (ending those that end). A block fed with masks
         (``kv_stale``) has its final KV written by the row's next forward (a fused commit,
         see ``_build_step``). A request that ended since it was scheduled (its algorithm
@@ -121,13 +122,15 @@ class Scheduler:
                 if request.row >= 0:  # not ended in the step (its algorithm failed): it has its pages
                     self._cache_pages(request, first, end, ids)
         committed = []
-        logprobs = output.logprobs
+        logprobs, states = output.logprobs, output.algorithm_states
         for i, (request, ids, done, stale) in enumerate(zip(step.stepped, output.block_ids, output.done,
                                                             output.kv_stale)):
             if request.phase is not Phase.DENOISE or request.finish_reason is not None:
                 continue
             request.steps_in_block += 1
             request.num_steps += 1
+            if states is not None:
+                request.algorithm_state = states[i]
             if logprobs is not None and logprobs[i]:
                 for position, logprob in logprobs[i]:
                     request.block_logprobs[position] = logprob

@@ -76,5 +76,7 @@ class StepOutput:
     logprobs: list[list[tuple[int, TokenLogprob]] | None] | None
     # rows whose algorithm failed, and why: the engine ends them, and the update skips them
     failed: list[tuple[Request, str]]
+    # each block's algorithm state for its next step, or None: every state stays as it is
+    algorithm_states: list | None = None
     forward_s: float = 0.0
     forward_cpu_s: float = 0.0  # CPU time of the engine thread in the forward

@@ -27,7 +27,8 @@ def logits_of(rows: Sequence[Sequence[tuple[int, float]]], vocab: int = VOCAB) -
 
 
 def run_step(name: str, logits: torch.Tensor, block: torch.Tensor, overrides=None, states=None):
-    """One step of ``name`` on every row with the same parameters; returns (block, done, states)."""
+    """One step of ``name`` on every row with the same parameters; returns (block, done,
+    the rows' next states)."""
     algorithm = get_algorithm(name)
     params = [algorithm.make_params(overrides)] * block.shape[0]
     if states is None:
@@ -37,11 +38,14 @@ def run_step(name: str, logits: torch.Tensor, block: torch.Tensor, overrides=Non
     return block, done, states
 
 
-def step_done(algorithm, logits: torch.Tensor, block: torch.Tensor, mask_id: int, params, states) -> torch.Tensor:
-    """``algorithm.step`` on ``block`` (in place) and its done flags: what it returned, or
-    where it returns None, the rows fed with no mask (as the engine reads it)."""
+def step_done(algorithm, logits: torch.Tensor, block: torch.Tensor, mask_id: int, params, states: list) -> torch.Tensor:
+    """``algorithm.step`` on ``block`` (in place) and its done flags, as the engine reads
+    them: what it returned, or where it returns None, the rows fed with no mask. ``states``
+    (a list) becomes the rows' next states, as the engine's scheduler keeps them."""
     fed_unmasked = ~(block == mask_id).any(-1)
-    done = algorithm.step(logits, block, mask_id, params, states)
+    done, next_states = algorithm.step(logits, block, mask_id, params, states)
+    if next_states is not None:
+        states[:] = next_states
     return fed_unmasked if done is None else done
 
 

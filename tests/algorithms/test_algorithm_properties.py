@@ -109,9 +109,10 @@ def drive(case: Case, rows: list[int]) -> tuple[torch.Tensor, list[int]]:
         logits = case.logits(step)[rows][active]
         before = block[active]
         after = before.clone()
-        done = step_done(
-            algorithm, logits, after, case.mask_id, [params[i] for i in active], [states[i] for i in active]
-        )
+        active_states = [states[i] for i in active]
+        done = step_done(algorithm, logits, after, case.mask_id, [params[i] for i in active], active_states)
+        for i, state in zip(active, active_states):
+            states[i] = state
         check_step(case.name, before, after, done, case.mask_id, generated[active])
         block[active] = after
         for i in active:

@@ -2,6 +2,7 @@
 
 import torch
 
+from algo_helpers import step_done
 from algorithms import get_algorithm
 
 MASK = 9
@@ -10,11 +11,11 @@ MASK = 9
 def fills_per_step(length: int, steps: int) -> list[int]:
     algorithm = get_algorithm("dream")
     params = algorithm.make_params({"steps": steps, "alg": "maskgit_plus"})
-    state = algorithm.init_state(params, 0)
+    states = [algorithm.init_state(params, 0)]
     block = torch.full((1, length), MASK)
     logits = torch.randn(1, length, 10, generator=torch.Generator().manual_seed(0))
     fills = []
-    while not algorithm.step(logits, block, MASK, [params], [state]).all():
+    while not step_done(algorithm, logits, block, MASK, [params], states).all():
         fills.append(int((block != MASK).sum()) - sum(fills))
     return fills
 

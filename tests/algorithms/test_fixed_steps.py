@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from algo_helpers import MASK, filled, logits_of, run_step
+from algo_helpers import MASK, filled, logits_of, run_step, step_done
 
 from algorithms import get_algorithm
 
@@ -18,7 +18,7 @@ def fill_counts(overrides, block, confidences=None):
     counts = []
     while True:
         before = block.clone()
-        done = algorithm.step(logits, block, MASK, params, states)
+        done = step_done(algorithm, logits, block, MASK, params, states)
         if done.item():
             assert torch.equal(before, block)
             return counts

@@ -37,7 +37,7 @@ def step_both_ways(name: str, logits: torch.Tensor, block: torch.Tensor, thresho
     algorithm = get_algorithm(name)
     params = [algorithm.make_params({"threshold": t}) for t in thresholds]
     on_host = block.clone()
-    assert algorithm.step(logits, on_host, MASK, params, [None] * len(params)) is None
+    assert algorithm.step(logits, on_host, MASK, params, [None] * len(params)) == (None, None)  # done where fed unmasked
     with monkeypatch.context() as patch:
         patch.setattr(confidence_rule, "on_host", lambda scores: False)
         with_tensors = block.clone()
