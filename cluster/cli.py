@@ -272,8 +272,8 @@ def cmd_up(args) -> int:
     from replicas.models import check_checkpoint
 
     replica = config.replica
-    spec = check_checkpoint(config.model, replica.lora, replica.model_overrides,
-                            replica.tensor_parallel_size)  # before any process starts
+    spec = check_checkpoint(config.model, replica.lora, replica.model_overrides, replica.tensor_parallel_size,
+                            replica.expert_parallel_size)  # before any process starts
     _check_model_default_algorithm(config, spec)
     _check_pool_settings(replica, spec)
     keys = load_keys(config.api_key_file)  # the ingress replicas read them again, each in its process

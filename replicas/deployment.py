@@ -80,7 +80,8 @@ class EngineReplica:
         ranks = start_ranks(model, config, address, resources.get("num_cpus", 1.0), resources.get("num_gpus", 0.0),
                             torch_threads)
         log.info("tensor-parallel replica: %d ranks, rendezvous at %s", config.tensor_parallel_size, address)
-        return join_group(0, config.tensor_parallel_size, address, torch.device(config.device)), ranks
+        return join_group(0, config.tensor_parallel_size, address, torch.device(config.device),
+                          config.expert_parallel_size), ranks
 
     def _check_ranks(self) -> None:
         """Raise if another tensor-parallel rank has exited (its forwards cannot run)."""

@@ -74,6 +74,12 @@ class EngineConfig(BaseModel):
         description="ranks one replica's model is split over (one device each, packed on one node): attention "
                     "heads, MLPs and the vocabulary split, a MoE's experts distributed (LLaDA, Dream, SDAR, "
                     "LLaDA2.0); torch.distributed between them, NCCL on CUDA, gloo on CPU")
+    expert_parallel_size: int | None = Field(
+        None, ge=1, le=64,
+        description="MoE models (LLaDA2.0): the parts the routed experts are distributed in over the "
+                    "tensor-parallel ranks, a divisor of tensor_parallel_size; each part's experts are split "
+                    "over tensor_parallel_size / expert_parallel_size ranks (1: every rank holds a slice of "
+                    "every expert; default: tensor_parallel_size, whole experts on each rank)")
     model_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="per-model defaults to override: block_length, mask_token_id, eos_token_id, stop_token_ids, "

@@ -30,7 +30,8 @@ class RankWorker:
         """Follow rank 0's forwards until it closes the channel; how many ran."""
         import torch
 
-        tp = join_group(self.rank, self.config.tensor_parallel_size, self.address, torch.device(self.config.device))
+        tp = join_group(self.rank, self.config.tensor_parallel_size, self.address, torch.device(self.config.device),
+                        self.config.expert_parallel_size)
         return follow_as_rank(load_share(self.model, self.config, tp), self.config)
 
 

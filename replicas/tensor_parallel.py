@@ -98,12 +98,14 @@ def agreed_pool(size: PoolSize, tp: TensorParallel, device: torch.device) -> Poo
     return dataclasses.replace(size, num_pages=int(pages.item()))
 
 
-def join_group(rank: int, size: int, address: str, device: torch.device) -> TensorParallel:
+def join_group(rank: int, size: int, address: str, device: torch.device,
+               expert_size: int | None = None) -> TensorParallel:
     """Join the replica's ``size`` ranks as ``rank`` (rendezvous at ``address``, host:port,
-    which rank 0 listens on): NCCL on CUDA, gloo elsewhere."""
+    which rank 0 listens on): NCCL on CUDA, gloo elsewhere. ``expert_size``: the
+    expert-parallel size (``TensorParallel``)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    return TensorParallel(rank, size, dist.group.WORLD)
+    return TensorParallel(rank, size, dist.group.WORLD, expert_size)

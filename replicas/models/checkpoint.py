@@ -255,14 +255,22 @@ def load_model_spec(model: str | Path, overrides: dict | None = None) -> ModelSp
 
 
 def check_checkpoint(model: str | Path, lora: str | Path | None = None, overrides: dict | None = None,
-                     tensor_parallel_size: int = 1) -> ModelSpec:
+                     tensor_parallel_size: int = 1, expert_parallel_size: int | None = None) -> ModelSpec:
     """Everything ``load_model`` and ``load_tokenizer`` would find wrong short of reading the
-    weights (config, architecture, overrides, a split over ``tensor_parallel_size`` ranks,
-    shards, tokenizer and adapter files): a server checks this before it starts any process."""
+    weights (config, architecture, overrides, a split over ``tensor_parallel_size`` ranks
+    and its experts over ``expert_parallel_size`` parts, shards, tokenizer and adapter
+    files): a server checks this before it starts any process."""
     path = resolve_path(model)
     spec = _build(path, overrides).spec
+    if expert_parallel_size is not None and "num_experts" not in read_config(path):
+        raise CheckpointError(f"{path} is not a mixture of experts: expert_parallel_size applies to MoE models "
+                              "(LLaDA2.0) only")
     if tensor_parallel_size > 1:
-        _build(path, overrides, TensorParallel(0, tensor_parallel_size))
+        try:
+            tp = TensorParallel(0, tensor_parallel_size, expert_size=expert_parallel_size)
+        except ShardingError as exc:
+            raise CheckpointError(str(exc)) from exc
+        _build(path, overrides, tp)
         if lora:
             raise CheckpointError("a LoRA adapter with tensor parallelism is not supported yet; merge it into "
                                   "the checkpoint")

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from replicas.models.layers import SwiGLU
-from replicas.models.parallel import SINGLE, TensorParallel, local_experts
+from replicas.models.parallel import SINGLE, TensorParallel, expert_width, local_experts
 from replicas.models.transformer import DecoderLM, QwenStyleConfig
 
 _LAYER = r"^model\.layers\.(\d+)\.attention\."
@@ -80,12 +80,13 @@ class MoEGate(nn.Module):
 class SparseMoE(nn.Module):
     def __init__(self, config: LLaDA2MoeConfig, tp: TensorParallel = SINGLE):
         """This rank's routed experts (keyed by their ids: ``experts.E``, as checkpoints name
-        them) and its slice of the shared experts; the caller adds up the ranks' outputs."""
+        them; whole or a slice of each, ``replicas.models.parallel``) and its slice of the
+        shared experts; the caller adds up the ranks' outputs."""
         super().__init__()
         self.gate = MoEGate(config)
-        self.experts = nn.ModuleDict({
-            str(e): SwiGLU(config.hidden_size, config.moe_intermediate_size)
-            for e in local_experts(config.num_experts, tp)})
+        width = expert_width(config.moe_intermediate_size, tp)
+        self.experts = nn.ModuleDict({str(e): SwiGLU(config.hidden_size, width)
+                                      for e in local_experts(config.num_experts, tp)})
         if config.num_shared_experts:
             shared = config.moe_shared_expert_intermediate_size or config.moe_intermediate_size * config.num_shared_experts
             self.shared_experts = SwiGLU(config.hidden_size, tp.split(shared, "the shared experts' width"))

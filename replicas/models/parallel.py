@@ -8,9 +8,12 @@ their partial results with one all-reduce per attention block and one per MLP:
   heads (and keeps the KV of its own KV heads) and the all-reduce sums the heads'
   contributions;
 * dense MLPs (and a MoE's shared experts): gate and up split column-wise, down row-wise;
-* a MoE's routed experts are not split: each rank holds ``num_experts / N`` whole experts
-  (expert parallelism), routes every token with the replicated gate, and adds only its own
-  experts' contributions before the MLP's all-reduce;
+* a MoE's routed experts are distributed over an expert-parallel size E that divides N
+  (default N): the experts fall into E parts, each held by N / E ranks, each of which holds
+  a 1/(N/E) slice of every expert of its part (gate and up column-wise, down row-wise).
+  At E = N every rank holds ``num_experts / N`` whole experts; at E = 1 every rank holds
+  a slice of every expert. A rank routes every token with the replicated gate and adds its
+  experts' partial contributions before the MLP's all-reduce, which completes them;
 * the embedding and the LM head split over the vocabulary: a rank looks up only its ids
   (the all-reduce fills in the others), and its head scores only its share of the
   vocabulary; the logits are gathered at the positions the caller asked for.
@@ -35,11 +38,23 @@ class ShardingError(ValueError):
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place among ``size`` ranks (``group``: their torch.distributed group)."""
+    """This process's place among ``size`` ranks (``group``: their torch.distributed group);
+    ``expert_size``: the expert-parallel size (None: ``size``)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    expert_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.expert_size is not None and (self.expert_size < 1 or self.size % self.expert_size):
+            raise ShardingError(f"the expert-parallel size ({self.expert_size}) must divide the tensor-parallel "
+                                f"size ({self.size})")
+
+    @property
+    def expert_slices(self) -> int:
+        """How many ranks share each expert, each holding a slice of its width."""
+        return self.size // (self.expert_size or self.size)
 
     def split(self, total: int, what: str) -> int:
         """``total`` / ``size`` (what each rank holds of ``what``); raises ShardingError."""
@@ -101,9 +116,21 @@ def _even(total: int, tp: TensorParallel) -> tuple[tuple[int, int], ...]:
 
 
 def local_experts(num_experts: int, tp: TensorParallel) -> range:
-    """The routed experts this rank holds (a contiguous run)."""
-    part = tp.split(num_experts, "the routed experts")
-    return range(tp.rank * part, (tp.rank + 1) * part)
+    """The routed experts this rank holds (a contiguous run, a slice of each)."""
+    parts = tp.expert_size or tp.size
+    if num_experts % parts:
+        raise ShardingError(f"the routed experts ({num_experts}) do not split evenly over {parts} expert-parallel "
+                            "parts")
+    part, index = num_experts // parts, tp.rank // tp.expert_slices
+    return range(index * part, (index + 1) * part)
+
+
+def expert_width(width: int, tp: TensorParallel) -> int:
+    """The slice of a routed expert's width this rank holds."""
+    if width % tp.expert_slices:
+        raise ShardingError(f"the experts' width ({width}) does not split evenly over the {tp.expert_slices} ranks "
+                            "that share each expert")
+    return width // tp.expert_slices
 
 
 def shard_of(name: str, shape: tuple[int, ...], tp: TensorParallel, qkv_split: tuple[int, int, int] | None = None,
@@ -113,7 +140,14 @@ def shard_of(name: str, shape: tuple[int, ...], tp: TensorParallel, qkv_split: t
     of a fused projection; ``num_experts``: the routed experts of a MoE model."""
     expert = _EXPERT.match(name)
     if expert:
-        return Shard() if int(expert.group(1)) in local_experts(num_experts, tp) else None
+        if int(expert.group(1)) not in local_experts(num_experts, tp):
+            return None
+        if tp.expert_slices == 1:
+            return Shard()
+        dim = 1 if name.endswith("down_proj.weight") else 0  # gate and up by rows, down by columns
+        part = shape[dim] // tp.expert_slices
+        start = tp.rank % tp.expert_slices * part
+        return Shard(dim, ((start, start + part),))
     if _FUSED_QKV.match(name):
         ranges, offset = [], 0
         for rows in qkv_split:

@@ -2,6 +2,7 @@
 random checkpoint, two CPU ranks over gloo, each reading only its share of the weights, give
 the logits one process gives, and an engine over them answers as an engine over one."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,16 +31,18 @@ def answers(engine: Engine) -> list[list[int]]:
     return [chunk.token_ids for chunk in engine.generate(PROMPTS, params)]
 
 
-def on_rank(tp: TensorParallel, checkpoint: Path, arch: str) -> dict:
+def on_rank(tp: TensorParallel, checkpoint: Path, arch: str, expert_size: int | None = None) -> dict:
     """One rank's logits of ``TOKENS`` (bidirectional), the parameters it holds, then rank
     0's engine answers (its forwards broadcast to the other rank) or, on the other rank, how
-    many forwards it followed."""
+    many forwards it followed. ``expert_size``: the expert-parallel size."""
+    tp = replace(tp, expert_size=expert_size)
     net = load_model(checkpoint, overrides=OVERRIDES[arch], tp=tp)
     positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
     mask = torch.ones(TOKENS.shape[0], 1, TOKENS.shape[1], TOKENS.shape[1], dtype=torch.bool)
     with torch.inference_mode():
         logits = net(TOKENS, positions, DenseAttentionContext(mask))
-    seen = {"logits": logits, "parameters": sum(p.numel() for p in net.parameters())}
+    experts = [set(layer.mlp.experts) for layer in net.model.layers if hasattr(layer.mlp, "experts")]
+    seen = {"logits": logits, "parameters": sum(p.numel() for p in net.parameters()), "experts": experts}
     if tp.rank:
         return seen | {"followed": follow_as_rank(net, config(arch))}
     engine = Engine(net, load_tokenizer(checkpoint), config(arch))
@@ -49,8 +52,9 @@ def on_rank(tp: TensorParallel, checkpoint: Path, arch: str) -> dict:
         engine.runner.broadcast.close()
 
 
-@pytest.mark.parametrize("arch", sorted(CHECKPOINTS))
-def test_two_ranks_give_the_logits_and_the_answers_of_one(tmp_path, arch):
+@pytest.mark.parametrize("arch, expert_size", [(arch, None) for arch in sorted(CHECKPOINTS)]
+                         + [("LLaDA2MoeModelLM", 1)])  # a slice of every expert on each rank
+def test_two_ranks_give_the_logits_and_the_answers_of_one(tmp_path, arch, expert_size):
     checkpoint = write_checkpoint(tmp_path / arch, arch)
     net = load_model(checkpoint, overrides=OVERRIDES[arch])
     positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
@@ -60,7 +64,7 @@ def test_two_ranks_give_the_logits_and_the_answers_of_one(tmp_path, arch):
     whole = sum(p.numel() for p in net.parameters())
     expected = answers(Engine(net, load_tokenizer(checkpoint), config(arch)))
 
-    first, second = on_ranks(2, on_rank, checkpoint, arch)
+    first, second = on_ranks(2, on_rank, checkpoint, arch, expert_size)
     scale = alone.abs().max()
     for rank in (first, second):  # float32 sums in another order: within 1e-5 of the logits' scale (~1e-6 seen)
         assert (rank["logits"] - alone).abs().max() <= 1e-5 * scale
@@ -68,6 +72,9 @@ def test_two_ranks_give_the_logits_and_the_answers_of_one(tmp_path, arch):
         assert rank["parameters"] < 0.6 * whole
     assert first["answers"] == expected
     assert second["followed"] >= 2  # at least a forward a block
+    if first["experts"]:  # whole experts split between the ranks, or a slice of every expert on each
+        assert all(a.isdisjoint(b) if expert_size is None else a == b
+                   for a, b in zip(first["experts"], second["experts"], strict=True))
 
 
 def test_a_model_that_does_not_split_is_refused_with_the_reason_before_anything_starts(tmp_path):
@@ -80,3 +87,11 @@ def test_a_model_that_does_not_split_is_refused_with_the_reason_before_anything_
     with pytest.raises(CheckpointError, match="TinyDllmForBlockDiffusion has no tensor-parallel layers"):
         check_checkpoint("tiny", tensor_parallel_size=2)
     check_checkpoint(checkpoint, overrides=OVERRIDES["SDARForCausalLM"], tensor_parallel_size=2)
+    with pytest.raises(CheckpointError, match="not a mixture of experts: expert_parallel_size applies to MoE"):
+        check_checkpoint(checkpoint, overrides=OVERRIDES["SDARForCausalLM"], tensor_parallel_size=2,
+                         expert_parallel_size=1)
+    moe = write_checkpoint(tmp_path / "moe", "LLaDA2MoeModelLM")
+    with pytest.raises(CheckpointError, match=r"the expert-parallel size \(3\) must divide the tensor-parallel"):
+        check_checkpoint(moe, overrides=OVERRIDES["LLaDA2MoeModelLM"], tensor_parallel_size=2,
+                         expert_parallel_size=3)
+    check_checkpoint(moe, overrides=OVERRIDES["LLaDA2MoeModelLM"], tensor_parallel_size=2, expert_parallel_size=1)
