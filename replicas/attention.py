@@ -42,6 +42,9 @@ class BatchLayout:
     key_cache_positions: torch.Tensor  # [A, Kmax] cache position of each key
     key_valid: torch.Tensor  # [A, Kmax] False for unused positions (partial prompt page, padding)
     span_length: int | None = None  # the longest span's tokens; None: every span is one unit (a page at most)
+    # every span's keys are exactly its own new tokens (refreshed rows' whole sequences, the
+    # whole step): attention takes them as they come, without the cache's gather
+    keys_are_queries: bool = False
 
 
 GROUP_BYTES = {"cuda": 1 << 30}  # K and V one group of spans gathers at once (``span_groups``), by device type
@@ -86,7 +89,12 @@ class PagedAttentionContext:
             token_span = np.repeat(np.arange(self.spans), counts)
             offset = np.arange(span_start[-1]) - span_start[token_span]
             self.pad_index = to_device(torch.from_numpy(token_span * self.span_length + offset), device)
-        self.mask = to_device(layout.key_valid.reshape(self.spans, 1, 1, -1), device)  # [A, 1, 1, Kmax]
+        self.keys_are_queries = layout.keys_are_queries
+        if self.keys_are_queries:  # the keys padded as the queries are: the mask says which slots hold one
+            self.mask = None if self.pad_index is None else to_device(torch.from_numpy(
+                np.arange(self.span_length) < counts[:, None]).reshape(self.spans, 1, 1, -1), device)
+        else:
+            self.mask = to_device(layout.key_valid.reshape(self.spans, 1, 1, -1), device)  # [A, 1, 1, Kmax]
         _, kv_heads, head_dim = k_cache[0].shape
         self.groups = span_groups(self.spans, layout.key_cache_positions.shape[1],
                                   keys_per_group(kv_heads, head_dim, k_cache[0].dtype, device))
@@ -98,19 +106,26 @@ class PagedAttentionContext:
         v_cache.index_copy_(0, self.cache_positions, v.to(v_cache.dtype))
         spans, length = self.spans, self.span_length
         heads, dim = q.shape[1], q.shape[2]
-        if self.pad_index is None:
-            padded = q
-        else:
-            padded = q.new_zeros(spans * length, heads, dim)
-            padded[self.pad_index] = q
-        padded = padded.view(spans, length, heads, dim).transpose(1, 2)
-        if len(self.groups) == 1:
+        padded = self._padded(q)
+        if self.keys_are_queries:
+            keys, values = self._padded(k), self._padded(v)
+            out = F.scaled_dot_product_attention(padded, keys, values, attn_mask=self.mask,
+                                                 enable_gqa=heads != keys.shape[1])
+        elif len(self.groups) == 1:
             out = self._attend_spans(padded, k_cache, v_cache, self.key_cache_positions, self.mask)
         else:
             out = torch.cat([self._attend_spans(padded[a:b], k_cache, v_cache, self.key_cache_positions[a:b],
                                                 self.mask[a:b]) for a, b in self.groups])
         out = out.transpose(1, 2).reshape(spans * length, heads, dim)
         return out if self.pad_index is None else out[self.pad_index]
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[T, heads, D]`` as ``[spans, heads, span length, D]``, zeros where a span is shorter."""
+        if self.pad_index is not None:
+            padded = x.new_zeros(self.spans * self.span_length, *x.shape[1:])
+            padded[self.pad_index] = x
+            x = padded
+        return x.view(self.spans, self.span_length, *x.shape[1:]).transpose(1, 2)
 
     @staticmethod
     def _attend_spans(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -182,7 +182,7 @@ class ModelRunner:
             sees = top[unit_row]
         else:
             sees = page_index
-        span_start, span_length, span_row = unit_start, None, unit_row
+        span_start, span_length, span_row, keys_are_queries = unit_start, None, unit_row, False
         # some row of a bidirectional model has several units: they may attend as one span
         # (a block-causal row's units each see up to their own page)
         if self.bidirectional and unit_row.size > batch.num_rows:
@@ -201,6 +201,8 @@ class ModelRunner:
         if self.full_canvas:
             key_valid &= (key_page != sees[:, None])[:, :, None] | (offsets < rows.last_tail[span_row][:, None])[:, None, :]
         key_valid = key_valid.reshape(-1, key_pages * size)
+        if span_length is not None:  # every span's valid keys its own tokens (a subset of them, as many)
+            keys_are_queries = bool((key_valid.sum(1) == span_start[1:] - span_start[:-1]).all())
 
         logits_index = unit_start[:-1][unit_is_block][:, None] + offsets  # [R, L]
         if self.shift_logits:  # position i reads the output at i - 1; the first, the token before
@@ -209,16 +211,19 @@ class ModelRunner:
         tensor = torch.from_numpy
         layout = BatchLayout(span_start=tensor(span_start), cache_positions=tensor(cache_positions),
                              key_cache_positions=tensor(key_cache_positions), key_valid=tensor(key_valid),
-                             span_length=span_length)
+                             span_length=span_length, keys_are_queries=keys_are_queries)
         return tensor(input_ids), tensor(positions), layout, tensor(logits_index)
 
     def _spans(self, unit_row: np.ndarray, sees: np.ndarray,
                unit_start: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | None:
         """The attention spans (``attention.BatchLayout``): the first unit of each, their
-        token starts and the longest's tokens; None: one span per unit. A row's consecutive units that see the same pages (every unit of a
-        refreshed bidirectional row) attend as one span, so their keys are gathered once
-        instead of once per unit: at batch 1 without a cache, a 192-token LLaDA canvas
-        gathered its keys 6 times a layer. Torch SDPA pads each span's queries to the
+        token starts and the longest's tokens; None: one span per unit.
+
+        A row's consecutive units that see the same pages (every unit of a refreshed
+        bidirectional row) attend as one span, so their keys are gathered once instead of
+        once per unit (at batch 1 without a cache, a 192-token LLaDA canvas gathered its
+        keys 6 times a layer), or not at all where they are the span's own tokens
+        (``BatchLayout.keys_are_queries``). Torch SDPA pads each span's queries to the
         longest span's, so there units join only where that pads no more queries than one
         span a unit does (rows alike, as at batch 1 or every row refreshing); flash's
         varlen attention pads nothing, so there they always join."""

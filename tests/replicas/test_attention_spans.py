@@ -17,7 +17,8 @@ def llada():
 
 
 def run(net, monkeypatch, merge: bool, kv_cache: str, prompts, max_tokens: int, later: int = 0):
-    """(answers' tokens, every forward's block logits, (units, spans) of every forward);
+    """(answers' tokens, every forward's block logits, (units, spans, keys are the queries)
+    of every forward);
     the last prompt arrives ``later`` steps after the others."""
     if not merge:
         monkeypatch.setattr(ModelRunner, "_spans", lambda self, *args: None)
@@ -29,7 +30,9 @@ def run(net, monkeypatch, merge: bool, kv_cache: str, prompts, max_tokens: int, 
 
     def recording_build(batch, refreshed):
         inputs = build(batch, refreshed)
-        layouts.append((runner._units(batch, refreshed)[0].size, inputs[2].span_start.numel() - 1))
+        layout = inputs[2]
+        layouts.append((runner._units(batch, refreshed)[0].size, layout.span_start.numel() - 1,
+                        layout.keys_are_queries))
         return inputs
 
     def recording_forward(batch):
@@ -55,16 +58,20 @@ def run(net, monkeypatch, merge: bool, kv_cache: str, prompts, max_tokens: int, 
     return [[t for chunk in answers[i] for t in chunk.token_ids] for i in range(len(prompts))], logits, layouts
 
 
-def test_rows_refreshed_alike_attend_as_one_span_each_with_the_logits_of_one_span_a_unit(llada, monkeypatch):
-    prompts = [[7 + i for i in range(40)], [90 + i for i in range(40)]]  # two pages of prompt each
+@pytest.mark.parametrize("second_prompt", [40, 8])  # as long as the first (two pages), or shorter (padded)
+def test_rows_refreshed_alike_attend_as_one_span_each_with_the_logits_of_one_span_a_unit(llada, monkeypatch,
+                                                                                        second_prompt):
+    prompts = [[7 + i for i in range(40)], [90 + i for i in range(second_prompt)]]
     tokens, logits, layouts = run(llada, monkeypatch, True, "none", prompts, 64)
     alone_tokens, alone_logits, alone_layouts = run(llada, monkeypatch, False, "none", prompts, 64)
     assert tokens == alone_tokens and all(len(t) == 64 for t in tokens) and len(logits) == len(alone_logits)
     for ours, theirs in zip(logits, alone_logits):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    # every forward refreshes both rows' whole canvases (4 pages each): one span a row
-    assert layouts and all(spans == 2 and units == 8 for units, spans in layouts)
-    assert all(spans == units for units, spans in alone_layouts)
+    # every forward refreshes both rows' whole canvases (4 and 4 or 3 pages): one span a row,
+    # whose keys are its own tokens (no gather from the cache)
+    units = 8 if second_prompt == 40 else 7
+    assert layouts and all(layout == (units, 2, True) for layout in layouts)
+    assert all(spans == units and not own for units, spans, own in alone_layouts)
 
 
 def test_a_step_whose_rows_differ_keeps_one_span_a_unit_under_sdpa(llada, monkeypatch):
@@ -75,6 +82,6 @@ def test_a_step_whose_rows_differ_keeps_one_span_a_unit_under_sdpa(llada, monkey
     tokens, _, layouts = run(llada, monkeypatch, True, "prefix", prompts, 64, later=2)
     alone_tokens, _, _ = run(llada, monkeypatch, False, "prefix", prompts, 64, later=2)
     assert tokens == alone_tokens
-    merged = [(units, spans) for units, spans in layouts if spans < units]
-    apart = [(units, spans) for units, spans in layouts if spans == units and units > 2]
+    merged = [(units, spans) for units, spans, _ in layouts if spans < units]
+    apart = [(units, spans) for units, spans, own in layouts if spans == units and units > 2 and not own]
     assert merged and apart  # the rows' first steps merge; mixed steps do not
