@@ -201,8 +201,10 @@ class ModelRunner:
         if self.full_canvas:
             key_valid &= (key_page != sees[:, None])[:, :, None] | (offsets < rows.last_tail[span_row][:, None])[:, None, :]
         key_valid = key_valid.reshape(-1, key_pages * size)
-        if span_length is not None:  # every span's valid keys its own tokens (a subset of them, as many)
-            keys_are_queries = bool((key_valid.sum(1) == span_start[1:] - span_start[:-1]).all())
+        if span_length is not None:  # every span's valid keys its own tokens (a subset of them, as many),
+            # none of them written to the scratch page instead of its own
+            keys_are_queries = bool((key_valid.sum(1) == span_start[1:] - span_start[:-1]).all()
+                                    and not unit_scratch.any())
 
         logits_index = unit_start[:-1][unit_is_block][:, None] + offsets  # [R, L]
         if self.shift_logits:  # position i reads the output at i - 1; the first, the token before
