@@ -1,5 +1,5 @@
 """`dllm-serve up` sizing its KV pool from memory: a random checkpoint with SDAR-1.7B's
-attention shape and its 32,768 positions (two of its 28 layers, an MLP of 1,024 instead of
+attention shape and its 32,768 positions (one of its 28 layers, an MLP of 1,024 instead of
 6,144 and a vocabulary of 4,096 instead of 151,936, so that 64 rows run on two cores in the
 suite's time; the KV pool's size depends on the attention shape alone) at 64 rows, under
 a memory budget, starts, answers as users ask, reports its pool, and its replica stays within
@@ -21,13 +21,13 @@ from loadgen.soak import resident_bytes
 from replicas.memory import host_memory
 from tests.replicas.models.checkpoint_builders import SDAR_1_7B, write_checkpoint
 
-BUDGET = 3 << 30  # the whole replica process: weights (0.2 GiB in float32), activations, KV pool
+BUDGET = 3 << 30  # the whole replica process: weights (0.1 GiB in float32), activations, KV pool
 
 
 @pytest.fixture(scope="module")
 def sdar_32k(tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp("sdar-32k"), "SDARForCausalLM",
-                            dims=replace(SDAR_1_7B, layers=2, ffn=1024, vocab=4096, mask_id=4000, eos_id=4001, pad_id=4002),
+                            dims=replace(SDAR_1_7B, layers=1, ffn=1024, vocab=4096, mask_id=4000, eos_id=4001, pad_id=4002),
                             dtype=torch.bfloat16)
     _, total = host_memory()
     replica = {"max_batch": 64, "memory_utilization": BUDGET / total, "max_tokens_per_step": 512,
@@ -48,7 +48,7 @@ def status(running) -> dict:
 def test_a_32k_position_checkpoint_at_64_rows_serves_within_its_memory_budget(sdar_32k):
     path, running = sdar_32k
     [view] = status(running)["replicas"].values()
-    page = 2 * 2 * 8 * 128 * 4 * 4  # K and V, 2 layers, 8 KV heads of 128, 4 tokens, float32
+    page = 2 * 1 * 8 * 128 * 4 * 4  # K and V, 1 layer, 8 KV heads of 128, 4 tokens, float32
     assert view["max_model_len"] == 32768 and view["kv_cache_bytes"] == (view["total_pages"] + 1) * page
     assert view["total_pages"] >= 8192  # one request of 32,768 positions fits
     assert view["total_pages"] < 64 * 8192  # far below what 64 rows of the whole context would take
