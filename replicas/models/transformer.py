@@ -121,8 +121,13 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.tp = tp
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``keep``: the tokens whose outputs go on (the last layer's: those whose logits are
+        read); every token's K and V are still computed and written."""
         x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), positions, context))
+        if keep is not None:
+            x = x[keep]
         return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -164,12 +169,14 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for ``input_ids`` (``[T]`` packed or ``[B, S]`` dense); ``logits_index``
-        selects the packed tokens whose logits are needed."""
+        selects the packed tokens whose logits are needed: the last layer's MLP runs on
+        those alone (a refreshed canvas or a prompt chunk feeds many more tokens than the
+        step reads)."""
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        *layers, last = self.model.layers
+        for layer in layers:
             x = layer(x, positions, context)
-        if logits_index is not None:
-            x = x[logits_index]
+        x = last(x, positions, context, keep=logits_index)
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if self.shape.tie_word_embeddings else self.lm_head.weight
         return self.tp.gather_last(x @ head.T)
