@@ -261,8 +261,8 @@ def check_checkpoint(model: str | Path, lora: str | Path | None = None, override
     and its experts over ``expert_parallel_size`` parts, shards, tokenizer and adapter
     files): a server checks this before it starts any process."""
     path = resolve_path(model)
-    spec = _build(path, overrides).spec
-    if expert_parallel_size is not None and "num_experts" not in read_config(path):
+    net = _build(path, overrides)
+    if expert_parallel_size is not None and not hasattr(net.config, "num_experts"):
         raise CheckpointError(f"{path} is not a mixture of experts: expert_parallel_size applies to MoE models "
                               "(LLaDA2.0) only")
     if tensor_parallel_size > 1:
@@ -281,4 +281,4 @@ def check_checkpoint(model: str | Path, lora: str | Path | None = None, override
             read_adapter(lora)
         except LoraError as exc:
             raise CheckpointError(str(exc)) from exc
-    return spec
+    return net.spec

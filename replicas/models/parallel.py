@@ -110,9 +110,10 @@ class Shard:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
-def _even(total: int, tp: TensorParallel) -> tuple[tuple[int, int], ...]:
-    part = total // tp.size
-    return ((tp.rank * part, (tp.rank + 1) * part),)
+def _even(total: int, parts: int, index: int) -> tuple[tuple[int, int], ...]:
+    """Part ``index`` of ``total`` split in ``parts`` equal runs."""
+    part = total // parts
+    return ((index * part, (index + 1) * part),)
 
 
 def local_experts(num_experts: int, tp: TensorParallel) -> range:
@@ -145,18 +146,16 @@ def shard_of(name: str, shape: tuple[int, ...], tp: TensorParallel, qkv_split: t
         if tp.expert_slices == 1:
             return Shard()
         dim = 1 if name.endswith("down_proj.weight") else 0  # gate and up by rows, down by columns
-        part = shape[dim] // tp.expert_slices
-        start = tp.rank % tp.expert_slices * part
-        return Shard(dim, ((start, start + part),))
+        return Shard(dim, _even(shape[dim], tp.expert_slices, tp.rank % tp.expert_slices))
     if _FUSED_QKV.match(name):
         ranges, offset = [], 0
         for rows in qkv_split:
-            (start, end), = _even(rows, tp)
+            (start, end), = _even(rows, tp.size, tp.rank)
             ranges.append((offset + start, offset + end))
             offset += rows
         return Shard(0, tuple(ranges))
     if _COLUMN.match(name) or _VOCAB.match(name):
-        return Shard(0, _even(shape[0], tp))
+        return Shard(0, _even(shape[0], tp.size, tp.rank))
     if _ROW.match(name):
-        return Shard(1, _even(shape[1], tp))
+        return Shard(1, _even(shape[1], tp.size, tp.rank))
     return Shard()
