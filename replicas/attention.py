@@ -45,6 +45,7 @@ class BatchLayout:
     # every span's keys are exactly its own new tokens (refreshed rows' whole sequences, the
     # whole step): attention takes them as they come, without the cache's gather
     keys_are_queries: bool = False
+    cache_kept: bool = True  # later steps read the new K/V (False without a KV cache)
 
 
 GROUP_BYTES = {"cuda": 1 << 30}  # K and V one group of spans gathers at once (``span_groups``), by device type
@@ -90,6 +91,8 @@ class PagedAttentionContext:
             offset = np.arange(span_start[-1]) - span_start[token_span]
             self.pad_index = to_device(torch.from_numpy(token_span * self.span_length + offset), device)
         self.keys_are_queries = layout.keys_are_queries
+        # nothing reads the new K/V back: neither this step (its own keys) nor a later one
+        self.writes = layout.cache_kept or not layout.keys_are_queries
         if self.keys_are_queries:  # the keys padded as the queries are: the mask says which slots hold one
             self.mask = None if self.pad_index is None else to_device(torch.from_numpy(
                 np.arange(self.span_length) < counts[:, None]).reshape(self.spans, 1, 1, -1), device)
@@ -102,8 +105,9 @@ class PagedAttentionContext:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q[T, H, D]``, ``k``/``v[T, Hkv, D]`` -> ``[T, H, D]``."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_cache.index_copy_(0, self.cache_positions, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.cache_positions, v.to(v_cache.dtype))
+        if self.writes:
+            k_cache.index_copy_(0, self.cache_positions, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, self.cache_positions, v.to(v_cache.dtype))
         spans, length = self.spans, self.span_length
         heads, dim = q.shape[1], q.shape[2]
         padded = self._padded(q)

@@ -213,7 +213,8 @@ class ModelRunner:
         tensor = torch.from_numpy
         layout = BatchLayout(span_start=tensor(span_start), cache_positions=tensor(cache_positions),
                              key_cache_positions=tensor(key_cache_positions), key_valid=tensor(key_valid),
-                             span_length=span_length, keys_are_queries=keys_are_queries)
+                             span_length=span_length, keys_are_queries=keys_are_queries,
+                             cache_kept=not self.refresh_every_step)
         return tensor(input_ids), tensor(positions), layout, tensor(logits_index)
 
     def _spans(self, unit_row: np.ndarray, sees: np.ndarray,

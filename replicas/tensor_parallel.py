@@ -28,8 +28,10 @@ from replicas.models.parallel import TensorParallel
 GROUP_TIMEOUT_S = 120.0  # a collective waiting this long for a rank fails (a dead rank ends its replica)
 _FORWARD, _CLOSE = 1, 0
 _TENSORS = 7  # input ids, positions, the layout's four, the logits' positions
-# the command, the layout's span length (0: none) and keys_are_queries, each tensor's two dimensions (-1: none)
-_HEADER = 3 + 2 * _TENSORS
+# the command, the layout's span length (0: none), keys_are_queries and cache_kept, each tensor's two
+# dimensions (-1: none)
+_FLAGS = 4
+_HEADER = _FLAGS + 2 * _TENSORS
 
 
 class ForwardBroadcast:
@@ -49,7 +51,8 @@ class ForwardBroadcast:
         dims = []
         for tensor in tensors:
             dims += list(tensor.shape) + [-1] * (2 - tensor.dim())
-        self._broadcast(torch.tensor([_FORWARD, layout.span_length or 0, layout.keys_are_queries] + dims,
+        self._broadcast(torch.tensor([_FORWARD, layout.span_length or 0, layout.keys_are_queries,
+                                      layout.cache_kept] + dims,
                                      dtype=torch.int64))
         for tensor in tensors:
             self._broadcast(tensor.to(torch.int64))
@@ -80,12 +83,13 @@ def follow(model: torch.nn.Module, kv_cache: KVCache, backend: str, tp: TensorPa
             header = receive([_HEADER]).tolist()
             if header[0] == _CLOSE:
                 return forwards
-            dims = [header[3 + 2 * i: 5 + 2 * i] for i in range(_TENSORS)]
+            dims = [header[_FLAGS + 2 * i: _FLAGS + 2 + 2 * i] for i in range(_TENSORS)]
             input_ids, positions, span_start, cache_positions, key_positions, key_valid, logits_index = map(
                 receive, dims)
             layout = BatchLayout(span_start=span_start, cache_positions=cache_positions,
                                  key_cache_positions=key_positions, key_valid=key_valid.bool(),
-                                 span_length=header[1] or None, keys_are_queries=bool(header[2]))
+                                 span_length=header[1] or None, keys_are_queries=bool(header[2]),
+                                 cache_kept=bool(header[3]))
             context = paged_context(backend, layout, kv_cache.k, kv_cache.v, block_length)
             model(input_ids.to(device), positions.to(device), context, logits_index.view(-1).to(device))
             forwards += 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from replicas.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from replicas.models.layers import RMSNorm, RotaryEmbedding, Rotation, SwiGLU
 from replicas.models.spec import ConfigFields, ModelSpec
 
 
@@ -37,7 +37,7 @@ class TinyDllmConfig(ConfigFields):
 
 
 class TinyAttention(nn.Module):
-    def __init__(self, config: TinyDllmConfig, layer_index: int, rotary: RotaryEmbedding):
+    def __init__(self, config: TinyDllmConfig, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
         self.heads = config.num_attention_heads
@@ -47,27 +47,26 @@ class TinyAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, hidden, bias=False)
         self.v_proj = nn.Linear(hidden, hidden, bias=False)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
-        self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation: Rotation, context) -> torch.Tensor:
         shape = (*x.shape[:-1], self.heads, self.head_dim)
-        q = self.rotary(self.q_proj(x).view(shape), positions)
-        k = self.rotary(self.k_proj(x).view(shape), positions)
+        q = rotation.rotate(self.q_proj(x).view(shape))
+        k = rotation.rotate(self.k_proj(x).view(shape))
         v = self.v_proj(x).view(shape)
         out = context.attend(self.layer_index, q, k, v)
         return self.o_proj(out.reshape(x.shape))
 
 
 class TinyDecoderLayer(nn.Module):
-    def __init__(self, config: TinyDllmConfig, layer_index: int, rotary: RotaryEmbedding):
+    def __init__(self, config: TinyDllmConfig, layer_index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = TinyAttention(config, layer_index, rotary)
+        self.self_attn = TinyAttention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, context)
+    def forward(self, x: torch.Tensor, rotation: Rotation, context) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotation, context)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -78,13 +77,13 @@ class TinyDllmForBlockDiffusion(nn.Module):
         super().__init__()
         self.config = config
         head_dim = config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(head_dim, config.rope_theta)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # the position inside its block, added to the token embedding: rotary attention
         # alone sees only relative offsets, and the tiny tasks are laid out in block cells
         self.embed_block_positions = nn.Embedding(config.block_length, config.hidden_size)
         self.layers = nn.ModuleList(
-            TinyDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+            TinyDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -113,8 +112,9 @@ class TinyDllmForBlockDiffusion(nn.Module):
         blocks), so the prompt positions never pay for the LM head.
         """
         x = self.embed_tokens(input_ids) + self.embed_block_positions(positions % self.config.block_length)
+        rotation = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, context)
+            x = layer(x, rotation, context)
         if logits_index is not None:
             x = x[logits_index]
         return self.lm_head(self.norm(x))

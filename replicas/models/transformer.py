@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from replicas.models.layers import RMSNorm, RotaryEmbedding, Rotation, SwiGLU
 from replicas.models.parallel import SINGLE, TensorParallel
 from replicas.models.spec import ConfigFields
 from replicas.models.defaults import default_spec
@@ -75,7 +75,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding):
+    def __init__(self, shape: DecoderShape, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
         self.heads, self.kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
@@ -90,7 +90,6 @@ class Attention(nn.Module):
         if shape.qk_norm:
             self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
             self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
-        self.rotary = rotary
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if hasattr(self, "qkv_proj"):
@@ -98,48 +97,49 @@ class Attention(nn.Module):
             return self.qkv_proj(x).split([q_out, kv_out, kv_out], dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation: Rotation, context) -> torch.Tensor:
         q, k, v = self.project(x)
         q = q.view(*x.shape[:-1], self.heads, self.head_dim)
         k = k.view(*x.shape[:-1], self.kv_heads, self.head_dim)
         v = v.view(*x.shape[:-1], self.kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        q, k = rotation.rotate(q), rotation.rotate(k)
         out = context.attend(self.layer_index, q, k, v)
         return self.o_proj(out.reshape(*x.shape[:-1], -1))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, mlp: nn.Module,
-                 tp: TensorParallel = SINGLE):
+    def __init__(self, shape: DecoderShape, layer_index: int, mlp: nn.Module, tp: TensorParallel = SINGLE):
         """``shape``: this rank's (``DecoderShape.on_rank``)."""
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = Attention(shape, layer_index, rotary)
+        self.self_attn = Attention(shape, layer_index)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = mlp
         self.tp = tp
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context,
+    def forward(self, x: torch.Tensor, rotation: Rotation, context,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
         """``keep``: the tokens whose outputs go on (the last layer's: those whose logits are
-        read); every token's K and V are still computed and written."""
-        x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), positions, context))
+        read); every token's K and V are still computed and written. Without autograd the
+        residual adds go into ``x``'s memory (one activation less to allocate a layer)."""
+        add = torch.add if torch.is_grad_enabled() else torch.Tensor.add_
+        x = add(x, self.tp.all_reduce(self.self_attn(self.input_layernorm(x), rotation, context)))
         if keep is not None:
             x = x[keep]
-        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+        return add(x, self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x))))
 
 
 class DecoderBody(nn.Module):
     def __init__(self, shape: DecoderShape, make_mlp: Callable[[int], nn.Module], tp: TensorParallel = SINGLE):
         super().__init__()
-        rotary = RotaryEmbedding(shape.head_dim, shape.rope_theta, shape.rotary_dim)
+        self.rotary = RotaryEmbedding(shape.head_dim, shape.rope_theta, shape.rotary_dim)
         self.embed_tokens = (nn.Embedding(shape.vocab_size, shape.hidden_size) if tp.size == 1
                              else VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp))
         local = shape.on_rank(tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(local, i, rotary, make_mlp(i), tp) for i in range(shape.num_layers))
+            DecoderLayer(local, i, make_mlp(i), tp) for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
 
@@ -173,10 +173,11 @@ class DecoderLM(nn.Module):
         those alone (a refreshed canvas or a prompt chunk feeds many more tokens than the
         step reads)."""
         x = self.model.embed_tokens(input_ids)
+        rotation = self.model.rotary(positions, x.dtype)
         *layers, last = self.model.layers
         for layer in layers:
-            x = layer(x, positions, context)
-        x = last(x, positions, context, keep=logits_index)
+            x = layer(x, rotation, context)
+        x = last(x, rotation, context, keep=logits_index)
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if self.shape.tie_word_embeddings else self.lm_head.weight
         return self.tp.gather_last(x @ head.T)

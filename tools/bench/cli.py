@@ -215,8 +215,8 @@ def add_engine_benches(targets) -> None:
         description="Random LLaDA (full canvas) and SDAR (block canvas) weights; the engine runs without a KV cache "
                     "(every forward recomputes each row's sequence) and the reference, the published models' math "
                     "written out densely (LM head over every position), runs the same shapes. Rounds alternate "
-                    "which side goes first; project/reference forward seconds is the median over the rounds, with "
-                    "its spread (under 1: the project's forward is faster).")
+                    "which side goes first; project/reference forward seconds is the median over every forward and "
+                    "the reference's beside it, with the quartiles (under 1: the project's forward is faster).")
     forward.add_argument("--architectures", nargs="+", choices=["llada", "sdar"], default=["llada", "sdar"],
                          help="random weights of these (default: both): LLaDA on its full canvas, SDAR on blocks")
     _add_workload_options(forward, batch_sizes=[1, 8], steps=4, rounds=3, rounds_help="rounds of both sides")

@@ -48,9 +48,11 @@ def test_bench_forward_reports_a_ratio_per_architecture_and_batch():
             entry = report[name][f"batch_{batch}"]
             assert entry["forwards"] == 2 * 2  # two blocks of two forwards
             assert entry["project_over_reference"] > 0 and entry["reference_ms_per_forward"] > 0
+            low, high = entry["project_over_reference_quartiles"]
+            assert low <= entry["project_over_reference"] <= high
     assert main(["bench", "forward", "--architectures", "sdar", "--batch-sizes", "1", "--d-model", "64",
                  "--layers", "1", "--max-tokens", "32", "--prompt-len", "8", "--rounds", "1", "--json"]) == 0
 
 
 def test_bench_forward_help_explains_every_option(capsys):
-    assert_help_explains_every_option(capsys, ("bench", "forward"), 8, ("reference", "KV cache", "spread"))
+    assert_help_explains_every_option(capsys, ("bench", "forward"), 8, ("reference", "KV cache", "quartiles"))
