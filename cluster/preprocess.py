@@ -36,6 +36,8 @@ from cluster.admission import AdmissionController, Refusals
 from cluster.config import AppConfig
 from cluster.errors import APIError, bad_request, validation_error
 from cluster.router import PrefixMemory
+from cluster.structured import StructureError, constraint_regex
+from replicas.grammar import UNREACHABLE, ConstraintError, Grammars, TokenAutomaton
 from replicas.request_cost import aligned_head, blocks_needed, prompt_pages, room_for_output
 from replicas.messages import INFILL_NEEDS, GenerateRequest, SamplingParams, request_problem
 from replicas.prefix_cache import page_hashes
@@ -50,6 +52,27 @@ INLINE_PREPARE_CHARS = 4096  # prompts (or chats) up to this many characters are
 MAX_CHARS_PER_TOKEN = 32
 # a JSON escape of a UTF-16 surrogate: ``json.loads`` takes a lone one that pydantic's parser refuses
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+COMPILE_TIMEOUT_S = 10.0  # a structure that takes longer to compile gets a 400
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A request's structure: its regular expression and automaton, and the field that asked."""
+
+    regex: str
+    automaton: TokenAutomaton
+    param: str
+
+    def check_room(self, max_tokens: int) -> None:
+        """400 where no answer of ``max_tokens`` tokens can match."""
+        shortest = int(self.automaton.to_accept[self.automaton.start])
+        if shortest == UNREACHABLE:
+            raise bad_request("no text this model's tokens can spell matches the structure", param=self.param)
+        if shortest > max_tokens:
+            raise bad_request(f"the shortest answer of this structure has {shortest} tokens; max_tokens is "
+                              f"{max_tokens}", param="max_tokens")
 
 
 def parsed_json(raw: bytes) -> dict | None:
@@ -110,6 +133,8 @@ class Preprocess:
         get_algorithm(default_name).make_params(default_params)  # a bad default fails at start
         # one thread: a transformers tokenizer is not safe to call from several at once
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dllm-tokenize")
+        self.grammars = Grammars(tokenizer, spec.end_token_ids, excluded_ids=(spec.mask_token_id,))
+        self._grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dllm-grammar")
 
     # ---- the body ---------------------------------------------------------------------------
     def validated(self, raw: bytes, chat: bool, parsed: object = None) -> protocol.SamplingFields:
@@ -174,18 +199,42 @@ class Preprocess:
         self.refuse_output_bound(body.output_limit, body.n, prompt_count(body), body.deadline_s)
         chars = _prompt_chars(body)
         self._refuse_past_the_context(body, chat, chars)
+        constraint = await self._constraint(body)
         if chars <= INLINE_PREPARE_CHARS:
-            jobs = self._jobs(body)
+            jobs = self._jobs(body, constraint)
         else:
-            jobs = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._jobs, body)
+            jobs = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._jobs, body,
+                                                                    constraint)
         return Completion(body, chat, jobs)
 
-    def _jobs(self, body: protocol.SamplingFields) -> list[GenerateRequest]:
+    async def _constraint(self, body: protocol.SamplingFields) -> Constraint | None:
+        """The structure the body asks for, compiled for the model off the event loop within
+        ``COMPILE_TIMEOUT_S`` (cached); raises APIError (400 naming the field)."""
+        try:
+            regex = constraint_regex(body.response_format, body.guided_json, body.guided_regex, body.guided_choice)
+        except StructureError as exc:
+            raise bad_request(str(exc), param=exc.param) from None
+        if regex is None:
+            return None
+        param = next(name for name in ("response_format", "guided_json", "guided_regex", "guided_choice")
+                     if getattr(body, name) is not None and not (name == "response_format" and
+                                                                  body.response_format.get("type") == "text"))
+        compiling = asyncio.get_running_loop().run_in_executor(self._grammar_thread, self.grammars.automaton, regex)
+        try:
+            automaton = await asyncio.wait_for(compiling, COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise bad_request(f"the structure took over {COMPILE_TIMEOUT_S:g} s to compile for this model; "
+                              f"ask for a simpler one", param=param) from None
+        except ConstraintError as exc:
+            raise bad_request(f"the structure {exc}", param=param) from None
+        return Constraint(regex, automaton, param)
+
+    def _jobs(self, body: protocol.SamplingFields, constraint: Constraint | None = None) -> list[GenerateRequest]:
         prompts = self._prompts(body)
         jobs = []
         for index, prompt in enumerate(prompts):
             try:
-                jobs.append(self.prepare(body, prompt))
+                jobs.append(self.prepare(body, prompt, constraint))
             except APIError as exc:  # name the prompt of a list that is refused
                 if len(prompts) > 1 and exc.param == "prompt":
                     exc.message = f"prompt {index}: {exc.message}"
@@ -219,7 +268,8 @@ class Preprocess:
             log.exception("the chat template failed on a request's messages")  # no internal text to the client
             raise bad_request("messages cannot be rendered by the chat template", param="messages") from None
 
-    def prepare(self, body: protocol.SamplingFields, prompt: str | list[int]) -> GenerateRequest:
+    def prepare(self, body: protocol.SamplingFields, prompt: str | list[int],
+                constraint: Constraint | None = None) -> GenerateRequest:
         """Validate everything and build the engine request of one prompt; raises APIError."""
         self.check_model(body.model)
         block = self.spec.block_length
@@ -256,6 +306,8 @@ class Preprocess:
             message = f"the messages as the chat template renders them: {problem.message}" if chat else problem.message
             raise bad_request(message, param="messages" if chat else "prompt",
                               code="context_length_exceeded" if problem.too_long else None)
+        if constraint is not None:
+            constraint.check_room(max_tokens)
         algorithm, algorithm_params, made = self._algorithm(body)
         worst = algorithm.worst_case_steps(made, block, self.config.replica.fused_commit)
         # aligned blocks: the first answer block also holds the prompt's end
@@ -265,7 +317,8 @@ class Preprocess:
             max_tokens=max_tokens, stop=tuple(body.stop or ()), algorithm=algorithm.name,
             algorithm_params=algorithm_params, ignore_eos=body.ignore_eos, logprobs=body.logprobs_asked,
             timeout_s=min((t for t in (self.config.request_timeout_s, body.deadline_s) if t is not None), default=None),
-            suffix_ids=suffix_ids, adaptive=(body.quality or self.config.quality.default) == "adaptive")
+            suffix_ids=suffix_ids, adaptive=(body.quality or self.config.quality.default) == "adaptive",
+            regex=None if constraint is None else constraint.regex)
         cost = self.admission.cost(head + max_tokens, block, worst, self.shape.max_cost)
         if params.adaptive:
             cost = self._adaptive_cost(cost, algorithm.name)

@@ -96,8 +96,6 @@ def _zero(value) -> bool:
 
 # OpenAI fields this server cannot honour: name -> (is the value neutral?, why not)
 UNHONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-                        "structured output (json_object, json_schema) is not supported, only {'type': 'text'}"),
     "tools": (_empty, "tool calling is not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
     "functions": (_empty, "function calling is not supported"),
@@ -133,6 +131,11 @@ class SamplingFields(_UnhonouredFields):
     n: int = 1
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     ignore_eos: StrictBool = False
+    # structured output (``cluster.structured``): OpenAI's, or one of vLLM's guided_* fields
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, max_length=65_536)
+    guided_choice: list[str] | None = None
 
     @field_validator(*UNHONOURED, mode="before")
     @classmethod

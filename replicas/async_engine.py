@@ -110,6 +110,8 @@ class AsyncEngine:
                 pass
 
         receiver = WholeAnswer(deliver, on_progress) if whole else deliver
+        if params is not None and params.regex is not None:  # compiled off this loop (cached for the request)
+            await asyncio.to_thread(self.engine.grammars.compile_quietly, params.regex)
         request_id = self.engine.add_request(request, params, request_id, on_output=receiver, whole=whole)
         self._wake.set()
         finished = False

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
+from replicas.grammar import Grammars
 from replicas.cost_model import OnlineCostModel
 from replicas.attention import resolve_backend
 from replicas.kv_cache import PagePool
@@ -130,6 +131,7 @@ class Engine:
         self.executor = StepExecutor(self.runner, self.rows, spec.mask_token_id, config.fused_commit)
         self.cost_model = OnlineCostModel(config.max_batch, clock=clock)
         self.outputs = OutputProcessor(tokenizer, spec.end_token_ids)
+        self.grammars = Grammars(tokenizer, spec.end_token_ids, excluded_ids=(spec.mask_token_id,))
         self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.rows, self.outputs, config.max_batch,
                                    shape.token_budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,
                                    fdfo_hold=self.cost_model.fdfo_hold if config.fdfo_fill_hold else (lambda rows: 0.0),
@@ -203,6 +205,8 @@ class Engine:
         if direct:
             self._check_continuation(request)
         algorithm, algorithm_params = self.algorithm_for(params)
+        constraint, constraint_state = (None, 0) if params.regex is None else self.grammars.begin(
+            params.regex, params.max_tokens, params.resume_ids)
         if whole and not isinstance(on_output, WholeAnswer):
             on_output = WholeAnswer(on_output)
         return Request(
@@ -219,6 +223,8 @@ class Engine:
             output_ids=list(params.resume_ids),
             detokenizer=None if text_at_end(params, whole) else self.outputs.detokenizer(params),
             block_logprobs=None if params.logprobs is None else [None] * self.block_length,
+            constraint=constraint,
+            constraint_state=constraint_state,
         )
 
     def _check_continuation(self, request: GenerateRequest) -> None:

@@ -16,6 +16,7 @@ import time
 import torch
 
 from algorithms import AlgorithmStep, DllmAlgorithm
+from replicas.constrained_block import NoValidBlock, constrain_block
 from replicas.devices import to_device
 from replicas.logprobs import step_logprobs
 from replicas.request import Request
@@ -49,6 +50,8 @@ class StepExecutor:
         # between two forwards: each forward evicts that code, and bringing it back cost a
         # step ~25 us on a CPU host; docs/benchmarks.md)
         kv_stale = [self.mask_id in block for block in fed.tolist()]
+        constrained = [i for i, request in enumerate(requests) if request.constraint is not None]
+        fed_constrained = fed[constrained] if constrained else None  # a copy: the step writes ``fed``
         forward_cpu = time.thread_time()
         try:
             logits, forward_timer = self.runner.forward(batch)
@@ -65,6 +68,8 @@ class StepExecutor:
         before = blocks[asking] if asking else None  # a copy (indexed by a list)
         failed: list[tuple[Request, str]] = []
         done, states = self._run_algorithms(requests, logits, blocks, fed_unmasked, failed)
+        if constrained:
+            self._constrain([requests[i] for i in constrained], constrained, fed_constrained, logits, blocks, failed)
         logprobs = None
         if asking:
             logprobs = [None] * len(requests)
@@ -113,6 +118,30 @@ class StepExecutor:
                     states[i] = state
             blocks[index] = sub_blocks
         return AlgorithmStep(done, states)
+
+    def _constrain(self, requests: list[Request], rows: list[int], fed, logits: torch.Tensor,
+                   blocks: torch.Tensor, failed: list) -> None:
+        """Decide the tokens the step chose for constrained rows (``replicas.constrained_block``),
+        in ``blocks``; ``fed``: their blocks as fed to the forward."""
+        stepped = blocks[rows].cpu().numpy()
+        for request, row, fed_block, block in zip(requests, rows, fed, stepped):
+            chosen = ((block != fed_block) & (block != self.mask_id)).nonzero()[0]
+            if not chosen.size:
+                continue
+            scores = logits[row, to_device(torch.from_numpy(chosen), logits.device)].float().log_softmax(-1).cpu()
+            first = request.answer_offset
+            room = request.params.max_tokens - len(request.output_ids)
+            size = block.size
+            stop, room_after = (size, first + room - size) if first + room > size else (first + room, None)
+            try:
+                decided = constrain_block(request.constraint, request.constraint_state, fed_block, block,
+                                          self.mask_id, dict(zip(chosen.tolist(), scores.numpy())), first, stop,
+                                          room_after)
+            except NoValidBlock as exc:
+                log.error("request %s: %s", request.request_id, exc)
+                failed.append((request, f"constrained decoding failed: {exc}"))
+                continue
+            blocks[row] = to_device(torch.from_numpy(decided), blocks.device)
 
     def _step_algorithm(self, algorithm: DllmAlgorithm, requests: list[Request], logits: torch.Tensor,
                         blocks: torch.Tensor, failed: list) -> AlgorithmStep:

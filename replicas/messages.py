@@ -41,6 +41,9 @@ class SamplingParams:
     suffix_ids: tuple[int, ...] = ()
     # the request may run at a lower confidence bar while the replica is behind (``replicas.quality``)
     adaptive: bool = False
+    # the answer's text matches this regular expression (``replicas.grammar``; the ingress
+    # makes it of a response_format, a choice list or a client's own)
+    regex: str | None = None
 
     def __post_init__(self):
         if self.max_tokens <= 0:

@@ -10,6 +10,7 @@ from typing import Any
 from algorithms import AlgorithmParams, DllmAlgorithm
 from replicas.batching import Phase
 from replicas.detokenizer import Detokenizer
+from replicas.grammar import TokenAutomaton
 from replicas.logprobs import TokenLogprob
 from replicas.request_cost import aligned_head, blocks_needed, prompt_pages
 from replicas.messages import GenerateChunk, SamplingParams, text_at_end
@@ -66,6 +67,9 @@ class Request:
     # the active block's, when asked: each step's written positions (``replicas.logprobs``)
     block_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: FinishReason | None = None
+    # a constrained answer's automaton (``replicas.grammar``) and its state after the committed output
+    constraint: TokenAutomaton | None = None
+    constraint_state: int = 0
 
     # the request's layout, derived at construction from the fields that never change (on
     # the submitting thread, so that admission inside the engine's step only reads it)

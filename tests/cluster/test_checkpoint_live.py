@@ -3,15 +3,19 @@ over two tensor-parallel ranks (gloo), over HTTP with the openai client: infilli
 ``suffix``, answered as one process's engine answers."""
 
 import asyncio
+import json
 import os
 import signal
 import time
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from cluster.request_path import processes_mentioning
+from cluster.structured import schema_regex
 from live_up import start_cluster, stop_cluster
 from test_serving import total
 from replicas.engine import Engine, EngineConfig
@@ -55,6 +59,40 @@ def test_a_suffix_is_filled_in_before(llada):
     [offline_chat] = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True,
                                                               algorithm_params={"temperature": 0.0}))
     assert chat.choices[0].message.content == offline_chat.text
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    age: int
+    tags: list[Literal["admin", "user"]] = pydantic.Field(max_length=2)
+
+
+def test_structured_output_with_the_openai_client(llada):
+    """``response_format`` as the openai client sends it: a pydantic model parsed back, a
+    JSON object streamed, n answers; each follows its schema, greedy as one process's."""
+    path, running = llada
+    client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Who is Ada? Answer in JSON."}]
+    parsed = client.chat.completions.parse(model=model, messages=messages, response_format=Person, max_tokens=64,
+                                           temperature=0)
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and parsed.choices[0].finish_reason == "stop"
+
+    engine = Engine.from_pretrained(str(path), EngineConfig(max_batch=REPLICA["max_batch"]))
+    prompt = load_tokenizer(str(path)).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    regex = schema_regex(Person.model_json_schema(), "response_format")
+    [offline] = engine.generate([prompt], SamplingParams(max_tokens=64, regex=regex,
+                                                         algorithm_params={"temperature": 0.0}))
+    assert Person.model_validate_json(offline.text) == person
+
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=48, n=2, temperature=1.0,
+                                            seed=3, stream=True, response_format={"type": "json_object"})
+    texts = ["", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert all(isinstance(json.loads(text), dict) for text in texts), texts
 
 
 def test_a_rank_killed_under_load_takes_its_replica_down_and_its_requests_finish(llada):

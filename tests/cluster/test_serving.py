@@ -225,7 +225,7 @@ def test_n_choices_stream_with_their_indices(cluster):
 
 
 UNHONOURED_FIELDS = [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"), ("logit_bias", {"5": 10}), ("presence_penalty", 0.5),
 ]
 
@@ -237,6 +237,31 @@ def test_a_field_this_server_cannot_honour_is_refused_by_name(cluster, field, va
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1.3."}], **{field: value})
     error = refused.value.body
     assert error["param"] == field and error["message"].startswith(f"{field}: ") and "not supported" in error["message"]
+
+
+def test_structured_output_on_the_tiny_model_and_its_refusals(cluster):
+    """The tiny model's characters spell digits and dots, not JSON: a choice list and a
+    regular expression are followed; an object, a bad regex, too few tokens and two
+    structures at once are refused by name."""
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    chosen = client.completions.create(model="tiny", prompt="1.3.", max_tokens=8, n=3, temperature=1.0,
+                                       extra_body={"guided_choice": ["1.3.2", "4.4", "9"]})
+    assert {c.text for c in chosen.choices} <= {"1.3.2", "4.4", "9"}
+    matched = client.chat.completions.create(model="tiny", max_tokens=16, messages=[{"role": "user", "content": "1.3."}],
+                                             extra_body={"guided_regex": "[0-9]\\.[0-9]{2,4}"})
+    assert re.fullmatch(r"[0-9]\.[0-9]{2,4}", matched.choices[0].message.content)
+    refusals = [({"response_format": {"type": "json_object"}}, "response_format", "cannot be compiled"),
+                ({"extra_body": {"guided_regex": "(1"}}, "guided_regex", "cannot be compiled"),
+                ({"extra_body": {"guided_regex": "[0-9]{12}"}, "max_tokens": 4}, "max_tokens", "has 12 tokens"),
+                ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+                 "response_format", "not supported"),
+                ({"response_format": {"type": "xml"}}, "response_format", "is not one of"),
+                ({"extra_body": {"guided_choice": ["1"], "guided_regex": "1"}}, "guided_regex", "one structure")]
+    for fields, param, message in refusals:
+        with pytest.raises(openai.BadRequestError, match=message) as refused:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1.3."}],
+                                           **{"max_tokens": 8, **fields})
+        assert refused.value.body["param"] == param, fields
 
 
 def test_a_suffix_on_a_model_that_cannot_infill_is_refused_with_the_reason(cluster):
