@@ -36,8 +36,9 @@ from cluster.admission import AdmissionController, Refusals
 from cluster.config import AppConfig
 from cluster.errors import APIError, bad_request, validation_error
 from cluster.router import PrefixMemory
-from cluster.structured import StructureError, constraint_regex
-from replicas.grammar import UNREACHABLE, ConstraintError, Grammars, TokenAutomaton
+from cluster.structured import StructureError, constraint_regex, schema_regex
+from cluster.tool_calls import ToolChoice, tool_choice
+from replicas.grammar import IGNORE_EOS_UNSTRUCTURED, UNREACHABLE, ConstraintError, Grammars, TokenAutomaton
 from replicas.request_cost import aligned_head, blocks_needed, prompt_pages, room_for_output
 from replicas.messages import INFILL_NEEDS, GenerateRequest, SamplingParams, request_problem
 from replicas.prefix_cache import page_hashes
@@ -96,6 +97,7 @@ class Completion:
     body: protocol.SamplingFields
     chat: bool
     jobs: list[GenerateRequest]
+    tools: ToolChoice | None = None  # the answers are tool calls
 
 
 def _positive_int(value: object) -> bool:
@@ -133,7 +135,7 @@ class Preprocess:
         get_algorithm(default_name).make_params(default_params)  # a bad default fails at start
         # one thread: a transformers tokenizer is not safe to call from several at once
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dllm-tokenize")
-        self.grammars = Grammars(tokenizer, spec.end_token_ids, excluded_ids=(spec.mask_token_id,))
+        self.grammars = Grammars(tokenizer, spec.end_token_ids, (spec.mask_token_id,), spec.vocab_size)
         self._grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dllm-grammar")
 
     # ---- the body ---------------------------------------------------------------------------
@@ -199,26 +201,39 @@ class Preprocess:
         self.refuse_output_bound(body.output_limit, body.n, prompt_count(body), body.deadline_s)
         chars = _prompt_chars(body)
         self._refuse_past_the_context(body, chat, chars)
-        constraint = await self._constraint(body)
+        tools, constraint = await self._constraint(body, chat)
         if chars <= INLINE_PREPARE_CHARS:
             jobs = self._jobs(body, constraint)
         else:
             jobs = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._jobs, body,
                                                                     constraint)
-        return Completion(body, chat, jobs)
+        return Completion(body, chat, jobs, tools)
 
-    async def _constraint(self, body: protocol.SamplingFields) -> Constraint | None:
-        """The structure the body asks for, compiled for the model off the event loop within
-        ``COMPILE_TIMEOUT_S`` (cached); raises APIError (400 naming the field)."""
+    async def _constraint(self, body: protocol.SamplingFields, chat: bool) -> tuple[ToolChoice | None,
+                                                                                     Constraint | None]:
+        """The tools an answer calls, and the structure the body asks for (a tool call's
+        arguments, or ``cluster.structured``'s fields), compiled for the model off the event
+        loop within ``COMPILE_TIMEOUT_S`` (cached); raises APIError (400 naming the field)."""
         try:
+            if body.tools and not chat:
+                raise StructureError("the chat route calls tools", "tools")
+            tools = tool_choice(body.tools, body.tool_choice)
             regex = constraint_regex(body.response_format, body.guided_json, body.guided_regex, body.guided_choice)
+            param = next((name for name in ("response_format", "guided_json", "guided_regex", "guided_choice")
+                          if getattr(body, name) is not None and not (name == "response_format" and
+                                                                       body.response_format.get("type") == "text")),
+                         None)
+            if tools is not None:
+                if regex is not None:
+                    raise StructureError("a tool call's arguments follow its function's schema; ask for no other "
+                                         "structure", param)
+                regex, param = schema_regex(tools.schema, "tools"), "tools"
         except StructureError as exc:
             raise bad_request(str(exc), param=exc.param) from None
         if regex is None:
-            return None
-        param = next(name for name in ("response_format", "guided_json", "guided_regex", "guided_choice")
-                     if getattr(body, name) is not None and not (name == "response_format" and
-                                                                  body.response_format.get("type") == "text"))
+            return None, None
+        if body.ignore_eos:
+            raise bad_request(IGNORE_EOS_UNSTRUCTURED, param="ignore_eos")
         compiling = asyncio.get_running_loop().run_in_executor(self._grammar_thread, self.grammars.automaton, regex)
         try:
             automaton = await asyncio.wait_for(compiling, COMPILE_TIMEOUT_S)
@@ -227,7 +242,7 @@ class Preprocess:
                               f"ask for a simpler one", param=param) from None
         except ConstraintError as exc:
             raise bad_request(f"the structure {exc}", param=param) from None
-        return Constraint(regex, automaton, param)
+        return tools, Constraint(regex, automaton, param)
 
     def _jobs(self, body: protocol.SamplingFields, constraint: Constraint | None = None) -> list[GenerateRequest]:
         prompts = self._prompts(body)

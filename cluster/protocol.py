@@ -96,8 +96,6 @@ def _zero(value) -> bool:
 
 # OpenAI fields this server cannot honour: name -> (is the value neutral?, why not)
 UNHONOURED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_empty, "tool calling is not supported"),
-    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
     "functions": (_empty, "function calling is not supported"),
     "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
     "logit_bias": (_empty, "not supported by the denoise algorithms"),
@@ -136,6 +134,9 @@ class SamplingFields(_UnhonouredFields):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = Field(None, max_length=65_536)
     guided_choice: list[str] | None = None
+    # tool calls (``cluster.tool_calls``; the chat route's)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @field_validator(*UNHONOURED, mode="before")
     @classmethod
@@ -289,9 +290,12 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _string_or_parts(cls, content):
+    def _string_or_parts(cls, content, info: ValidationInfo):
         """One clear error for content of another type (null, a number, an object), instead
-        of one per branch of the union, named after the branch."""
+        of one per branch of the union, named after the branch. An assistant's message that
+        called tools has none: empty (its calls are not rendered: the served templates know none)."""
+        if content is None and info.data.get("role") == "assistant":
+            return ""
         parts = isinstance(content, list) and all(isinstance(part, dict) for part in content)
         if not (isinstance(content, str) or parts):
             raise ValueError("must be a string or a list of text parts")
@@ -374,6 +378,8 @@ class Choice:
     finish_reason: str | None = None
     logprobs: dict | None = None
     first: bool = False  # a chat stream's first event of this choice: its delta names the role
+    # a tool call (``cluster.tool_calls``): the whole call, or a stream event's part of it
+    tool_call: dict | None = None
 
 
 def completion_body(request_id: str, created: int, model: str, choices: list[Choice], chunk: bool,
@@ -391,19 +397,33 @@ def completion_body(request_id: str, created: int, model: str, choices: list[Cho
     return body
 
 
+def _said(choice: Choice) -> dict:
+    """A chat message's (or delta's) content, or its tool call."""
+    if choice.tool_call is None:
+        return {"content": choice.text}
+    return {"content": None, "tool_calls": [{"index": 0, **choice.tool_call}]}
+
+
+def _finish(choice: Choice) -> str | None:
+    """``finish_reason``: OpenAI's "tool_calls" for a call whose arguments are whole (the
+    structure ends an answer only where it may: at an end id, or at max_tokens)."""
+    whole = choice.tool_call is not None and choice.finish_reason in ("stop", "length")
+    return "tool_calls" if whole else choice.finish_reason
+
+
 def chat_body(request_id: str, created: int, model: str, choices: list[Choice], chunk: bool,
               usage_: dict | None = None, extra: dict | None = None) -> dict:
     """A chat completion, or one event of its stream (``created`` as in ``completion_body``)."""
     if chunk:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": c.index, "delta": {**({"role": "assistant"} if c.first else {}), "content": c.text},
-                             "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in choices]}
+                "choices": [{"index": c.index, "delta": {**({"role": "assistant"} if c.first else {}), **_said(c)},
+                             "logprobs": c.logprobs, "finish_reason": _finish(c)} for c in choices]}
         if usage_ is not None:
             body["usage"] = usage_
     else:
         body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in choices],
+                "choices": [{"index": c.index, "message": {"role": "assistant", **_said(c)},
+                             "logprobs": c.logprobs, "finish_reason": _finish(c)} for c in choices],
                 "usage": usage_}
     if extra:
         body.update(extra)

@@ -22,6 +22,7 @@ from algorithms import get_algorithm
 from cluster import protocol
 from cluster.errors import APIError, internal_error
 from cluster.preprocess import Completion, prompt_count
+from cluster.tool_calls import StreamedCall, ToolChoice, whole_call
 from replicas.messages import GenerateChunk, GenerateRequest, joined
 from replicas.request import FinishReason
 from replicas.token_bytes import token_bytes
@@ -62,6 +63,7 @@ class Answer:
     chat: bool
     n: int
     echoes: list[str]
+    tools: ToolChoice | None = None  # the answers are calls of these tools
 
     def body(self, model: str, choices: list[protocol.Choice], chunk: bool, usage_: dict | None = None,
              extra: dict | None = None) -> dict:
@@ -84,7 +86,8 @@ class Render:
     async def response(self, completion: Completion, chunks: AsyncIterator[tuple[int, GenerateChunk]]):
         """The completion's response from its choices' ``chunks`` (``cluster.dispatch``)."""
         body = completion.body
-        answer = Answer(completion.jobs[0], int(time.time()), completion.chat, body.n, self.echoes(body))
+        answer = Answer(completion.jobs[0], int(time.time()), completion.chat, body.n, self.echoes(body),
+                        completion.tools)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(self._sse(chunks, answer, include_usage), media_type="text/event-stream",
@@ -122,7 +125,8 @@ class Render:
         refusal = unanswered(answers, answer.job)
         if refusal is not None:
             raise refusal
-        choices = [protocol.Choice(i, echo + a.text, a.finish_reason, self._logprobs(a, answer.chat, 0))
+        choices = [protocol.Choice(i, echo + a.text, a.finish_reason, self._logprobs(a, answer.chat, 0),
+                                   tool_call=whole_call(answer.tools, a.text))
                    for i, (echo, a) in enumerate(zip(answer.echoes, answers))]
         return JSONResponse(answer.body(self.model_name, choices, chunk=False, usage_=usage(answers, answer.n),
                                         extra={"dllm": self._dllm_info(answer.job, *answers)}))
@@ -135,6 +139,7 @@ class Render:
         model = self.model_name
         last: dict[int, GenerateChunk] = {}  # each choice's
         text_offsets: dict[int, int] = {}
+        calls = {index: StreamedCall(answer.tools) for index in range(len(answer.echoes))} if answer.tools else {}
         try:
             async for index, chunk in stream:
                 if chunk.error:
@@ -151,6 +156,10 @@ class Render:
                 text = answer.echoes[index] + chunk.text if first else chunk.text
                 choice = protocol.Choice(index, text, chunk.finish_reason, logprobs, first=first)
                 last[index] = chunk
+                if calls:
+                    choice = calls[index].event(choice, chunk.finished)
+                    if choice is None:  # a call that names its function: sent once whole
+                        continue
                 yield protocol.sse_event(answer.body(model, [choice], chunk=True,
                                                      extra={"dllm": self._dllm_info(answer.job, chunk)}))
         except APIError as exc:

@@ -21,6 +21,7 @@ MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
 # what Rust's regex syntax reads as an operator (regex_syntax::escape escapes these)
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+EMAIL = r"[a-zA-Z0-9._%+\-]+@[a-zA-Z0-9.\-]+\.[a-zA-Z]{2,}"  # ``format: email``, JSON-safe
 # ``json_object``: any JSON object (outlines' generic object, nested three levels deep)
 ANY_OBJECT = {"type": "object"}
 
@@ -38,15 +39,30 @@ def literal(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
+def _json_safe(schema: Any) -> Any:
+    """``schema`` with each ``format: email`` as ``EMAIL``: outlines-core's email regex takes
+    a quoted local part whose quotes JSON does not escape (``"email": ""a"@b.c"``)."""
+    if isinstance(schema, list):
+        return [_json_safe(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    safe = {key: _json_safe(value) for key, value in schema.items()}
+    if safe.get("format") == "email":
+        del safe["format"]
+        safe["pattern"] = EMAIL
+    return safe
+
+
 def schema_regex(schema: Any, param: str) -> str:
     """The regular expression of a JSON schema (a dict, or its JSON text)."""
     text = schema if isinstance(schema, str) else json.dumps(schema)
     if len(text) > MAX_SCHEMA_CHARS:
         raise StructureError(f"the schema has {len(text)} characters; at most {MAX_SCHEMA_CHARS}", param)
     try:
-        if not isinstance(json.loads(text), dict):
+        parsed = json.loads(text)
+        if not isinstance(parsed, dict):
             raise StructureError("the schema must be a JSON object", param)
-        return build_regex_from_schema(text)
+        return build_regex_from_schema(json.dumps(_json_safe(parsed)))
     except json.JSONDecodeError as exc:
         raise StructureError(f"the schema is not JSON: {exc}", param) from None
     except (ValueError, TypeError, RuntimeError) as exc:

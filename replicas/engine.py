@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
-from replicas.grammar import Grammars
+from replicas.grammar import IGNORE_EOS_UNSTRUCTURED, Grammars
 from replicas.cost_model import OnlineCostModel
 from replicas.attention import resolve_backend
 from replicas.kv_cache import PagePool
@@ -131,7 +131,7 @@ class Engine:
         self.executor = StepExecutor(self.runner, self.rows, spec.mask_token_id, config.fused_commit)
         self.cost_model = OnlineCostModel(config.max_batch, clock=clock)
         self.outputs = OutputProcessor(tokenizer, spec.end_token_ids)
-        self.grammars = Grammars(tokenizer, spec.end_token_ids, excluded_ids=(spec.mask_token_id,))
+        self.grammars = Grammars(tokenizer, spec.end_token_ids, (spec.mask_token_id,), spec.vocab_size)
         self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.rows, self.outputs, config.max_batch,
                                    shape.token_budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,
                                    fdfo_hold=self.cost_model.fdfo_hold if config.fdfo_fill_hold else (lambda rows: 0.0),
@@ -205,6 +205,8 @@ class Engine:
         if direct:
             self._check_continuation(request)
         algorithm, algorithm_params = self.algorithm_for(params)
+        if params.regex is not None and params.ignore_eos:
+            raise RequestError(IGNORE_EOS_UNSTRUCTURED)
         constraint, constraint_state = (None, 0) if params.regex is None else self.grammars.begin(
             params.regex, params.max_tokens, params.resume_ids)
         if whole and not isinstance(on_output, WholeAnswer):

@@ -16,7 +16,7 @@ import time
 import torch
 
 from algorithms import AlgorithmStep, DllmAlgorithm
-from replicas.constrained_block import NoValidBlock, constrain_block
+from replicas.constrained_block import NoValidBlock, class_scores, constrain_block
 from replicas.devices import to_device
 from replicas.logprobs import step_logprobs
 from replicas.request import Request
@@ -128,15 +128,16 @@ class StepExecutor:
             chosen = ((block != fed_block) & (block != self.mask_id)).nonzero()[0]
             if not chosen.size:
                 continue
-            scores = logits[row, to_device(torch.from_numpy(chosen), logits.device)].float().log_softmax(-1).cpu()
+            at = to_device(torch.from_numpy(chosen), logits.device)
+            best, token = class_scores(request.constraint, logits[row, at], blocks[row, at])
             first = request.answer_offset
             room = request.params.max_tokens - len(request.output_ids)
             size = block.size
             stop, room_after = (size, first + room - size) if first + room > size else (first + room, None)
             try:
                 decided = constrain_block(request.constraint, request.constraint_state, fed_block, block,
-                                          self.mask_id, dict(zip(chosen.tolist(), scores.numpy())), first, stop,
-                                          room_after)
+                                          self.mask_id, dict(zip(chosen.tolist(), zip(best, token))), first,
+                                          stop, room_after)
             except NoValidBlock as exc:
                 log.error("request %s: %s", request.request_id, exc)
                 failed.append((request, f"constrained decoding failed: {exc}"))

@@ -30,26 +30,25 @@ COMPILED_KEPT = 64  # automata a replica keeps compiled (by regex)
 MAX_STATES = 20_000  # a larger automaton is refused (a schema or regex that explodes)
 MAX_REGEX_CHARS = 65_536
 UNREACHABLE = np.iinfo(np.int64).max
+# a structured answer ends at an end id in an accepting state: the text after one is no answer
+IGNORE_EOS_UNSTRUCTURED = "ignore_eos cannot be used with a structured answer: its end is the structure's"
 
 
 class ConstraintError(RequestError):
     """A constraint that cannot be compiled for this model (a 400 naming ``response_format``)."""
 
 
-def _ranges(start: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For compressed rows (``start``: each row's first entry, then the end), the entries of
-    ``states``' rows, and how many each has."""
-    counts = start[states + 1] - start[states]
-    first = np.repeat(start[states] - (np.cumsum(counts) - counts), counts)
-    return first + np.arange(int(counts.sum())), counts
-
-
 class TokenAutomaton:
-    """States numbered 0..S-1 (``ended`` = S), and in compressed rows per state: the tokens
-    allowed there and where each leads (``move_*``, by token), the states one token of any
-    kind leads to (``next_*``); whether each state accepts and its distance to acceptance."""
+    """States numbered 0..S-1 (``ended`` = S); tokens in *classes*, the tokens that lead
+    from every state to the same state (a JSON schema's automaton over a 150K-token
+    vocabulary has a few hundred: the DP runs over states x classes, not x tokens).
 
-    def __init__(self, index: Index, end_ids: Sequence[int]):
+    ``token_class[t]``: the class of token ``t`` (the tokens the constraint never reads
+    share one, allowed only in ``ended``); ``next_by_class[q, c]``: where class ``c`` leads
+    from ``q``, -1 where it is not allowed; ``accepting[q]``; ``to_accept[q]``: the fewest
+    tokens from ``q`` to an accepting state."""
+
+    def __init__(self, index: Index, end_ids: Sequence[int], vocab_size: int):
         transitions = index.get_transitions()
         finals = index.get_final_states()
         ids = {state: i for i, state in enumerate(sorted(set(transitions) | finals | {index.get_initial_state()}))}
@@ -60,30 +59,41 @@ class TokenAutomaton:
         self.accepting = np.zeros(self.ended + 1, dtype=bool)
         self.accepting[[ids[state] for state in finals]] = True
         self.accepting[self.ended] = True
-        moves: list[tuple[int, int, int]] = []  # (state, token, target)
-        for state, row in transitions.items():
-            moves += [(ids[state], token, ids[target]) for token, target in row.items() if token not in ends]
-        for state in np.flatnonzero(self.accepting[:-1]).tolist():  # an end id ends the answer
-            moves += [(state, token, self.ended) for token in ends]
-        moves.sort()
+        moves = [(ids[state], token, ids[target]) for state, row in transitions.items()
+                 for token, target in row.items() if token not in ends]
+        moves += [(state, token, self.ended) for state in np.flatnonzero(self.accepting[:-1]).tolist()
+                  for token in ends]  # an end id ends the answer
         table = np.array(moves, dtype=np.int64).reshape(-1, 3)
-        self.move_start = np.searchsorted(table[:, 0], np.arange(self.ended + 2))
-        self.move_token, self.move_target = table[:, 1].copy(), table[:, 2].copy()
-        # one token of any kind: each state's distinct targets (from ``ended``: itself)
-        pairs = np.unique(np.concatenate([table[:, [0, 2]], [[self.ended, self.ended]]]), axis=0)
-        self.next_start = np.searchsorted(pairs[:, 0], np.arange(self.ended + 2))
-        self.next_state_of = pairs[:, 1].copy()
-        self.to_accept = self._distances(pairs)
+        states, tokens, targets = table[:, 0], table[:, 1], table[:, 2]
+        # a token's class: a hash of the (state, target) pairs it has (random 64-bit mixing)
+        mix = np.random.default_rng(0).integers(1, 2**63, size=(2, self.ended + 1), dtype=np.uint64)
+        signature = np.zeros(max(vocab_size, int(tokens.max(initial=-1)) + 1), dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            np.add.at(signature, tokens, mix[0][states] * mix[1][targets])
+        _, self.token_class = np.unique(signature, return_inverse=True)
+        self.token_class = self.token_class.astype(np.int64)
+        classes = int(self.token_class.max()) + 1
+        self.next_by_class = np.full((self.ended + 1, classes), -1, dtype=np.int64)
+        self.next_by_class[states, self.token_class[tokens]] = targets
+        self.next_by_class[self.ended] = self.ended  # any token goes once the answer ended
+        self.to_accept = self._distances()
+        # where one token of any kind leads from each state (the masks of ``accepts_block``)
+        self.successors = [frozenset(np.unique(row[row >= 0]).tolist()) for row in self.next_by_class]
 
     @property
     def num_states(self) -> int:
         return self.ended + 1
 
-    def _distances(self, pairs: np.ndarray) -> np.ndarray:
+    @property
+    def num_classes(self) -> int:
+        return self.next_by_class.shape[1]
+
+    def _distances(self) -> np.ndarray:
         """Fewest tokens from each state to an accepting one (breadth-first, backwards)."""
         before: list[list[int]] = [[] for _ in range(self.num_states)]
-        for q, target in pairs.tolist():
-            before[target].append(q)
+        for q, row in enumerate(self.next_by_class):
+            for target in np.unique(row[row >= 0]).tolist():
+                before[target].append(q)
         distance = np.full(self.num_states, UNREACHABLE, dtype=np.int64)
         queue = deque(np.flatnonzero(self.accepting).tolist())
         distance[list(queue)] = 0
@@ -95,23 +105,25 @@ class TokenAutomaton:
                     queue.append(earlier)
         return distance
 
-    def moves(self, states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The entries of ``states``' allowed tokens (into ``move_token``/``move_target``),
-        and how many each state has (``ended``: none; any token goes there)."""
-        return _ranges(self.move_start, states)
-
-    def successors(self, states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The states one token of any kind leads to from each of ``states``, and how many."""
-        entries, counts = _ranges(self.next_start, states)
-        return self.next_state_of[entries], counts
-
     def next_state(self, state: int, token: int) -> int | None:
         """Where ``token`` leads from ``state``; None where it is not allowed."""
-        if state == self.ended:
-            return state
-        low, high = self.move_start[state], self.move_start[state + 1]
-        at = low + int(np.searchsorted(self.move_token[low:high], token))
-        return int(self.move_target[at]) if at < high and self.move_token[at] == token else None
+        target = int(self.next_by_class[state, self.token_class[token]])
+        return None if target < 0 else target
+
+    def accepts_block(self, state: int, tokens: Sequence[int], mask_id: int, room_after: int) -> bool:
+        """Whether ``tokens`` (masks standing for any one token each) can be read from
+        ``state`` into a state at most ``room_after`` tokens from acceptance: a walk over the
+        set of states the masks may lead to (a few, mostly), no scores."""
+        frontier = {state}
+        for token in tokens:
+            if token == mask_id:
+                frontier = frozenset().union(*(self.successors[q] for q in frontier))
+            else:
+                column = self.next_by_class[:, self.token_class[token]]
+                frontier = {target for q in frontier if (target := int(column[q])) >= 0}
+            if not frontier:
+                return False
+        return any(self.to_accept[q] <= room_after for q in frontier)
 
     def walk(self, state: int, tokens: Iterable[int]) -> int | None:
         """The state after ``tokens``; None where one is not allowed."""
@@ -127,8 +139,10 @@ class Grammars:
     the mask and the special tokens left out, so none of them is ever text), and the
     automata of the regexes asked lately."""
 
-    def __init__(self, tokenizer, end_ids: Sequence[int], excluded_ids: Iterable[int] = ()):
+    def __init__(self, tokenizer, end_ids: Sequence[int], excluded_ids: Iterable[int] = (), vocab_size: int = 0):
+        """``vocab_size``: the model's (its logits'), where larger than the tokenizer's."""
         self.end_ids = tuple(sorted(set(end_ids)))
+        self.vocab_size = max(vocab_size, len(tokenizer))
         self._tokenizer = tokenizer
         self._excluded = set(excluded_ids) | set(self.end_ids) | set(getattr(tokenizer, "all_special_ids", ()))
         self.automaton = functools.lru_cache(maxsize=COMPILED_KEPT)(self._compile)
@@ -158,7 +172,7 @@ class Grammars:
         states = len(index.get_transitions())
         if states > MAX_STATES:
             raise ConstraintError(f"the constraint needs {states} automaton states; at most {MAX_STATES}")
-        return TokenAutomaton(index, self.end_ids)
+        return TokenAutomaton(index, self.end_ids, self.vocab_size)
 
     def compile_quietly(self, regex: str) -> None:
         """Compile ``regex`` into the kept automata, where it compiles (``begin`` says why not)."""

@@ -10,6 +10,7 @@ import time
 from typing import Literal
 
 import httpx
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -93,6 +94,44 @@ def test_structured_output_with_the_openai_client(llada):
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
     assert all(isinstance(json.loads(text), dict) for text in texts), texts
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}}}
+
+
+def test_tool_calls_with_the_openai_client(llada):
+    """``tools`` with a named function (whole and streamed) and with ``"required"``: calls
+    whose arguments follow the function's schema; ``"auto"`` is refused by name."""
+    _, running = llada
+    client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    answer = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME],
+                                            tool_choice=named, max_tokens=48, temperature=0)
+    [call] = answer.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and answer.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+    streamed = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice=named,
+                                              max_tokens=48, temperature=0, stream=True)
+    parts = [delta for event in streamed for delta in (event.choices[0].delta.tool_calls or [])]
+    assert parts[0].function.name == "get_weather" and parts[0].id
+    assert "".join(p.function.arguments for p in parts) == call.function.arguments  # greedy: the same call
+
+    required = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME],
+                                              tool_choice="required", max_tokens=64, temperature=1.0, seed=5, n=2)
+    for choice in required.choices:
+        [call] = choice.message.tool_calls
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    with pytest.raises(openai.BadRequestError, match="'auto' is not supported") as refused:
+        client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=8)
+    assert refused.value.body["param"] == "tool_choice"
 
 
 def test_a_rank_killed_under_load_takes_its_replica_down_and_its_requests_finish(llada):

@@ -256,7 +256,8 @@ def test_structured_output_on_the_tiny_model_and_its_refusals(cluster):
                 ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
                  "response_format", "not supported"),
                 ({"response_format": {"type": "xml"}}, "response_format", "is not one of"),
-                ({"extra_body": {"guided_choice": ["1"], "guided_regex": "1"}}, "guided_regex", "one structure")]
+                ({"extra_body": {"guided_choice": ["1"], "guided_regex": "1"}}, "guided_regex", "one structure"),
+                ({"extra_body": {"guided_choice": ["1"], "ignore_eos": True}}, "ignore_eos", "cannot be used")]
     for fields, param, message in refusals:
         with pytest.raises(openai.BadRequestError, match=message) as refused:
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1.3."}],

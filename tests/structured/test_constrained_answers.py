@@ -13,15 +13,16 @@ import re
 
 import jsonschema
 import pytest
+from cli_help import assert_help_explains_every_option
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from bytelevel_model import bytelevel_tokenizer, random_model
 
 from cluster.structured import literal, schema_regex
 from replicas.engine import Engine
 from replicas.engine_config import EngineConfig
 from replicas.grammar import ConstraintError
-from replicas.messages import SamplingParams
+from replicas.messages import RequestError, SamplingParams
+from tools.bench.bytelevel import bytelevel_tokenizer, random_model
 
 EXAMPLES = int(os.environ.get("DLLM_STRUCTURE_EXAMPLES", "20"))
 PROPERTY = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
@@ -44,7 +45,7 @@ def engine(request, tokenizer):
 
 leaves = st.one_of(
     st.sampled_from([{"type": "integer"}, {"type": "boolean"}, {"type": "null"}, {"type": "number"},
-                     {"type": "string"}]),
+                     {"type": "string"}, {"type": "string", "format": "email"}, {"type": "string", "format": "uuid"}]),
     st.builds(lambda low, span: {"type": "string", "minLength": low, "maxLength": low + span},
               st.integers(0, 3), st.integers(0, 6)),
     st.lists(st.sampled_from(WORDS), min_size=1, max_size=3, unique=True).map(lambda values: {"enum": values}),
@@ -112,7 +113,7 @@ def test_every_answer_follows_its_json_schema(engine, schema, stream, seed):
               constrained(regex, max_tokens, temperature=1.0, seed=seed),  # sampled: n = 2
               constrained(regex, max_tokens, temperature=1.0, seed=seed + 1)]
     for text in answers(engine, "a JSON 🙂 中文:", params, stream):
-        jsonschema.validate(json.loads(text), schema)
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
 
 
 @PROPERTY
@@ -157,3 +158,24 @@ def test_too_few_tokens_for_any_answer_is_refused_before_it_runs(engine):
         engine.make_request("x", SamplingParams(max_tokens=3, regex=regex))
     with pytest.raises(ConstraintError, match="cannot be compiled"):
         engine.make_request("x", SamplingParams(max_tokens=8, regex="(?=lookahead)a"))
+    with pytest.raises(RequestError, match="ignore_eos cannot be used"):
+        engine.make_request("x", SamplingParams(max_tokens=8, regex="(yes|no)", ignore_eos=True))
+
+
+@pytest.mark.bench
+def test_bench_structured_reports_ratios_compile_times_and_accuracy():
+    from tools.bench.structured import accuracy, puzzle_regex, step_times
+    from replicas.tiny import task
+
+    report = step_times(600, batch_sizes=(2,), rounds=1, max_tokens=32, sources=[("regex", "(yes|no)")])
+    entry = report["batch_2"]
+    assert entry["constrained_over_free"] > 0 and entry["valid_json"] == "2/2"
+    assert report["compile"]["compiled"] == 1 and report["compile"]["p99_ms"] >= report["compile"]["p50_ms"] > 0
+    request = task.heldout_requests()[0]
+    assert re.fullmatch(puzzle_regex(request), "".join(request.solutions))
+    graded = accuracy(num_requests=4, max_batch=4)
+    assert 0 <= graded["free"]["request_accuracy"] <= 1 and 0 <= graded["constrained"]["puzzle_accuracy"] <= 1
+
+
+def test_bench_structured_help_explains_every_option(capsys):
+    assert_help_explains_every_option(capsys, ("bench", "structured"), 7, ("schema", "accuracies"))

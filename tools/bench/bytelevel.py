@@ -1,5 +1,5 @@
 """A random-weight checkpoint whose tokenizer is a byte-level BPE (GPT-2's and Qwen's kind),
-trained here on generated JSON and words, for the tests of constrained answers."""
+trained here on generated JSON and words, for the bench and the tests of constrained answers."""
 
 from __future__ import annotations
 
@@ -49,8 +49,10 @@ def bytelevel_tokenizer(vocab_size: int = 600) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, mask_token=MASK)
 
 
-def random_model(tokenizer, architecture: str = "sdar", block_length: int = 8, seed: int = 0):
-    """Random weights of a small SDAR (blocks) or LLaDA (full canvas) over ``tokenizer``'s ids."""
+def random_model(tokenizer, architecture: str = "sdar", block_length: int = 8, seed: int = 0, hidden: int = 64,
+                 layers: int = 2):
+    """Random weights of an SDAR (blocks) or LLaDA (full canvas) over ``tokenizer``'s ids,
+    small by default (heads of 16)."""
     import torch
 
     from replicas.models.defaults import apply_overrides
@@ -59,14 +61,16 @@ def random_model(tokenizer, architecture: str = "sdar", block_length: int = 8, s
     vocab = len(tokenizer)
     eos, mask = tokenizer.convert_tokens_to_ids([EOS, MASK])
     if architecture == "sdar":
-        config = QwenStyleConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        config = QwenStyleConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                 num_hidden_layers=layers, num_attention_heads=hidden // 16,
+                                 num_key_value_heads=hidden // 32, max_position_embeddings=2048,
                                  tie_word_embeddings=True, mask_token_id=mask, eos_token_id=eos,
                                  architectures=("SDARForCausalLM",), model_type="sdar")
         net = SDARForCausalLM(config).eval()
         net.spec = apply_overrides(net.spec, {"block_length": block_length})
     else:
-        config = LLaDAConfig(d_model=64, n_heads=4, n_layers=2, mlp_hidden_size=128, vocab_size=vocab,
+        config = LLaDAConfig(d_model=hidden, n_heads=hidden // 16, n_layers=layers, mlp_hidden_size=2 * hidden,
+                             vocab_size=vocab,
                              max_sequence_length=2048, mask_token_id=mask, eos_token_id=eos)
         net = LLaDAModelLM(config).eval()
     return net
