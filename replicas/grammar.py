@@ -142,7 +142,7 @@ class Grammars:
     def __init__(self, tokenizer, end_ids: Sequence[int], excluded_ids: Iterable[int] = (), vocab_size: int = 0):
         """``vocab_size``: the model's (its logits'), where larger than the tokenizer's."""
         self.end_ids = tuple(sorted(set(end_ids)))
-        self.vocab_size = max(vocab_size, len(tokenizer))
+        self._vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._excluded = set(excluded_ids) | set(self.end_ids) | set(getattr(tokenizer, "all_special_ids", ()))
         self.automaton = functools.lru_cache(maxsize=COMPILED_KEPT)(self._compile)
@@ -172,7 +172,7 @@ class Grammars:
         states = len(index.get_transitions())
         if states > MAX_STATES:
             raise ConstraintError(f"the constraint needs {states} automaton states; at most {MAX_STATES}")
-        return TokenAutomaton(index, self.end_ids, self.vocab_size)
+        return TokenAutomaton(index, self.end_ids, max(self._vocab_size, len(self._tokenizer)))
 
     def compile_quietly(self, regex: str) -> None:
         """Compile ``regex`` into the kept automata, where it compiles (``begin`` says why not)."""

@@ -224,10 +224,7 @@ def test_n_choices_stream_with_their_indices(cluster):
     assert refused.value.body["param"] == "n"
 
 
-UNHONOURED_FIELDS = [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"), ("logit_bias", {"5": 10}), ("presence_penalty", 0.5),
-]
+UNHONOURED_FIELDS = [("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("function_call", "auto")]
 
 
 @pytest.mark.parametrize("field, value", UNHONOURED_FIELDS, ids=[f for f, _ in UNHONOURED_FIELDS])
@@ -257,7 +254,10 @@ def test_structured_output_on_the_tiny_model_and_its_refusals(cluster):
                  "response_format", "not supported"),
                 ({"response_format": {"type": "xml"}}, "response_format", "is not one of"),
                 ({"extra_body": {"guided_choice": ["1"], "guided_regex": "1"}}, "guided_regex", "one structure"),
-                ({"extra_body": {"guided_choice": ["1"], "ignore_eos": True}}, "ignore_eos", "cannot be used")]
+                ({"extra_body": {"guided_choice": ["1"], "ignore_eos": True}}, "ignore_eos", "cannot be used"),
+                ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "'auto' is not supported"),
+                ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+                ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools", "each tool must be")]
     for fields, param, message in refusals:
         with pytest.raises(openai.BadRequestError, match=message) as refused:
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1.3."}],

@@ -7,6 +7,7 @@ test runs (default 20; the closing notes' runs used hundreds)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -114,6 +115,15 @@ def test_every_answer_follows_its_json_schema(engine, schema, stream, seed):
               constrained(regex, max_tokens, temperature=1.0, seed=seed + 1)]
     for text in answers(engine, "a JSON 🙂 中文:", params, stream):
         jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+    # a failover after the sampled answer's first block: another replica goes on from it
+    chunks = []
+    engine.add_request("a JSON 🙂 中文:", params[1], on_output=chunks.append)
+    while engine.has_work():
+        engine.step()
+    if len(chunks) > 1:
+        resumed = dataclasses.replace(params[1], resume_ids=tuple(chunks[0].token_ids))
+        [rest] = engine.generate(["a JSON 🙂 中文:"], resumed)
+        assert chunks[0].text + rest.text == "".join(chunk.text for chunk in chunks)
 
 
 @PROPERTY

@@ -14,7 +14,8 @@ from tools.cli import PACKAGES, build_parser, names_a_command_of
 REGISTERED = {  # package -> (its commands, its bench targets)
     cluster_commands: ({"generate", "up", "status", "render"}, set()),
     tool_commands: ({"train-tiny", "eval-tiny", "calibrate", "simulate"},
-                    {"engine", "policies", "quality", "canvas", "forward", "prefix", "detokenize", "calibration", "tp"}),
+                    {"engine", "policies", "quality", "canvas", "forward", "prefix", "detokenize", "calibration", "tp",
+                     "structured"}),
     loadgen_commands: ({"loadgen"}, {"overload", "soak"}),
 }
 CLIENT = ({"loadgen", "calibrate", "simulate"}, {"overload", "calibration", "soak"})
