@@ -9,6 +9,7 @@ error event (its status, 200, went out already), counted in ``stream_errors``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -141,27 +142,28 @@ class Render:
         text_offsets: dict[int, int] = {}
         calls = {index: StreamedCall(answer.tools) for index in range(len(answer.echoes))} if answer.tools else {}
         try:
-            async for index, chunk in stream:
-                if chunk.error:
-                    log.error("request %s failed: %s", request_id, chunk.error)
-                    yield self._error_event(internal_error(request_id))
-                    break
-                refusal = unanswered([*last.values(), chunk], answer.job)
-                if refusal is not None:
-                    raise refusal
-                logprobs = self._logprobs(chunk, answer.chat, text_offsets.get(index, 0))
-                if logprobs is not None and not answer.chat:
-                    text_offsets[index] = text_offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
-                first = index not in last
-                text = answer.echoes[index] + chunk.text if first else chunk.text
-                choice = protocol.Choice(index, text, chunk.finish_reason, logprobs, first=first)
-                last[index] = chunk
-                if calls:
-                    choice = calls[index].event(choice, chunk.finished)
-                    if choice is None:  # a call that names its function: sent once whole
-                        continue
-                yield protocol.sse_event(answer.body(model, [choice], chunk=True,
-                                                     extra={"dllm": self._dllm_info(answer.job, chunk)}))
+            async with contextlib.aclosing(stream):  # closed where an event ends it early: its charge released now
+                async for index, chunk in stream:
+                    if chunk.error:
+                        log.error("request %s failed: %s", request_id, chunk.error)
+                        yield self._error_event(internal_error(request_id))
+                        break
+                    refusal = unanswered([*last.values(), chunk], answer.job)
+                    if refusal is not None:
+                        raise refusal
+                    logprobs = self._logprobs(chunk, answer.chat, text_offsets.get(index, 0))
+                    if logprobs is not None and not answer.chat:
+                        text_offsets[index] = text_offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
+                    first = index not in last
+                    text = answer.echoes[index] + chunk.text if first else chunk.text
+                    choice = protocol.Choice(index, text, chunk.finish_reason, logprobs, first=first)
+                    last[index] = chunk
+                    if calls:
+                        choice = calls[index].event(choice, chunk.finished)
+                        if choice is None:  # a call that names its function: sent once whole
+                            continue
+                    yield protocol.sse_event(answer.body(model, [choice], chunk=True,
+                                                         extra={"dllm": self._dllm_info(answer.job, chunk)}))
         except APIError as exc:
             yield self._error_event(exc)
         except Exception:
