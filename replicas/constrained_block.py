@@ -26,6 +26,8 @@ masked positions is one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -67,13 +69,14 @@ def _best_per_target(prev: np.ndarray, tokens: np.ndarray, targets: np.ndarray, 
 
 
 def constrain_block(automaton: TokenAutomaton, state: int, fed: np.ndarray, block: np.ndarray, mask_id: int,
-                    chosen_scores: dict[int, tuple[np.ndarray, np.ndarray]], first: int, stop: int,
+                    scores_of: Callable[[], dict[int, tuple[np.ndarray, np.ndarray]]], first: int, stop: int,
                     room_after: int | None) -> np.ndarray:
     """The block's tokens with the chosen positions' tokens decided under the constraint.
 
     ``state``: the automaton's state before position ``first`` (the answer's start in the
     block); ``fed``/``block``: the block's tokens before and after the rule's step;
-    ``chosen_scores``: each chosen position's ``class_scores`` row (best score, its token);
+    ``scores_of()``: each chosen position's ``class_scores`` row (best score, its token),
+    asked only where the program runs;
     ``stop``: where the answer's room ends (at most the block's length); ``room_after``: the
     answer's tokens left after the block, or None where its room ends at ``stop``."""
     decided = np.flatnonzero(block[first:stop] != mask_id)
@@ -81,6 +84,7 @@ def constrain_block(automaton: TokenAutomaton, state: int, fed: np.ndarray, bloc
     room = stop - last + (room_after or 0)
     if automaton.accepts_block(state, block[first:last].tolist(), mask_id, room):
         return block  # the rule's proposals can be completed as they are: the program would keep them
+    chosen_scores = scores_of()
     table = automaton.next_by_class
     states, scores = np.array([state]), np.zeros(1)
     trail: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []  # (position, targets, prev, tokens)

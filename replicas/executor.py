@@ -10,6 +10,7 @@ and return the next ones, which the output carries to the scheduler.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -128,21 +129,26 @@ class StepExecutor:
             chosen = ((block != fed_block) & (block != self.mask_id)).nonzero()[0]
             if not chosen.size:
                 continue
-            at = to_device(torch.from_numpy(chosen), logits.device)
-            best, token = class_scores(request.constraint, logits[row, at], blocks[row, at])
             first = request.answer_offset
             room = request.params.max_tokens - len(request.output_ids)
             size = block.size
             stop, room_after = (size, first + room - size) if first + room > size else (first + room, None)
             try:
                 decided = constrain_block(request.constraint, request.constraint_state, fed_block, block,
-                                          self.mask_id, dict(zip(chosen.tolist(), zip(best, token))), first,
-                                          stop, room_after)
+                                          self.mask_id, functools.partial(self._chosen_scores, request, logits[row],
+                                                                          blocks[row], chosen), first, stop, room_after)
             except NoValidBlock as exc:
                 log.error("request %s: %s", request.request_id, exc)
                 failed.append((request, f"constrained decoding failed: {exc}"))
                 continue
             blocks[row] = to_device(torch.from_numpy(decided), blocks.device)
+
+    @staticmethod
+    def _chosen_scores(request: Request, logits: torch.Tensor, block: torch.Tensor, chosen) -> dict:
+        """The chosen positions' ``class_scores`` rows, by position (``logits``, ``block``: the row's)."""
+        at = to_device(torch.from_numpy(chosen), logits.device)
+        best, token = class_scores(request.constraint, logits[at], block[at])
+        return dict(zip(chosen.tolist(), zip(best, token)))
 
     def _step_algorithm(self, algorithm: DllmAlgorithm, requests: list[Request], logits: torch.Tensor,
                         blocks: torch.Tensor, failed: list) -> AlgorithmStep:
