@@ -405,10 +405,9 @@ def _said(choice: Choice) -> dict:
 
 
 def _finish(choice: Choice) -> str | None:
-    """``finish_reason``: OpenAI's "tool_calls" for a call whose arguments are whole (the
-    structure ends an answer only where it may: at an end id, or at max_tokens)."""
-    whole = choice.tool_call is not None and choice.finish_reason in ("stop", "length")
-    return "tool_calls" if whole else choice.finish_reason
+    """``finish_reason``: OpenAI's "tool_calls" for a call whose arguments are whole (a
+    structured answer that is whole at max_tokens stops there: ``Scheduler._commit``)."""
+    return "tool_calls" if choice.tool_call is not None and choice.finish_reason == "stop" else choice.finish_reason
 
 
 def chat_body(request_id: str, created: int, model: str, choices: list[Choice], chunk: bool,

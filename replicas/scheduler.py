@@ -152,8 +152,10 @@ class Scheduler:
         logprobs = None if request.block_logprobs is None else request.block_logprobs[offset:]
         commit = self.outputs.commit_block(request, block_ids[offset:], logprobs)
         request.output_ids.extend(commit.token_ids)
-        if request.constraint is not None and commit.finish_reason is None:
+        if request.constraint is not None:
             request.constraint_state = request.constraint.walk(request.constraint_state, commit.token_ids)
+            if commit.finish_reason is FinishReason.LENGTH and request.constraint.accepting[request.constraint_state]:
+                commit.finish_reason = FinishReason.STOP  # the structure is whole at max_tokens: it ended, not cut
         request.committed_block_steps.append(request.steps_in_block)
         request.finish_reason = commit.finish_reason
         if request.block_logprobs is not None:  # the next block's

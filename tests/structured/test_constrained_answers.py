@@ -3,7 +3,7 @@ sampled, streamed and whole, several at once, and resumed after a failover, on a
 canvas (SDAR) and on the full canvas (LLaDA), with a byte-level BPE tokenizer.
 
 ``DLLM_STRUCTURE_EXAMPLES`` sets how many generated schemas and regexes each property
-test runs (default 12; the closing notes' runs used hundreds)."""
+test runs (default 6; the closing notes' runs used hundreds)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from replicas.grammar import ConstraintError
 from replicas.messages import RequestError, SamplingParams
 from tools.bench.bytelevel import bytelevel_tokenizer, random_model
 
-EXAMPLES = int(os.environ.get("DLLM_STRUCTURE_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("DLLM_STRUCTURE_EXAMPLES", "6"))
 PROPERTY = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 WORDS = ["a", "中文", "🙂", "x y", "1", "名字", "ok"]
