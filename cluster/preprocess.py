@@ -36,6 +36,7 @@ from cluster.admission import AdmissionController, Refusals
 from cluster.config import AppConfig
 from cluster.errors import APIError, bad_request, validation_error
 from cluster.router import PrefixMemory
+from cluster.structure_compiler import ProcessCompiler
 from cluster.structured import StructureError, constraint_regex, schema_regex
 from cluster.tool_calls import ToolChoice, tool_choice
 from replicas.grammar import IGNORE_EOS_UNSTRUCTURED, UNREACHABLE, ConstraintError, Grammars, TokenAutomaton
@@ -55,7 +56,7 @@ MAX_CHARS_PER_TOKEN = 32
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-COMPILE_TIMEOUT_S = 10.0  # a structure that takes longer to compile gets a 400
+COMPILE_TIMEOUT_S = 10.0  # a structure that takes longer to compile gets a 400 (its worker process stopped)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ class Preprocess:
         get_algorithm(default_name).make_params(default_params)  # a bad default fails at start
         # one thread: a transformers tokenizer is not safe to call from several at once
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dllm-tokenize")
-        self.grammars = Grammars(tokenizer, spec.end_token_ids, (spec.mask_token_id,), spec.vocab_size)
+        self.grammars = Grammars(tokenizer, spec.end_token_ids, (spec.mask_token_id,), spec.vocab_size,
+                                 index_of=ProcessCompiler(COMPILE_TIMEOUT_S))
         self._grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dllm-grammar")
         # the model's vocabulary as the compiler reads it, made once (seconds at 150K tokens),
         # from the start: a structure's compile bound counts the compile alone
@@ -216,7 +218,8 @@ class Preprocess:
                                                                                      Constraint | None]:
         """The tools an answer calls, and the structure the body asks for (a tool call's
         arguments, or ``cluster.structured``'s fields), compiled for the model off the event
-        loop within ``COMPILE_TIMEOUT_S`` (cached); raises APIError (400 naming the field)."""
+        loop, in a worker process stopped at ``COMPILE_TIMEOUT_S`` (cached); raises APIError
+        (400 naming the field)."""
         try:
             if body.tools and not chat:
                 raise StructureError("the chat route calls tools", "tools")
@@ -240,10 +243,7 @@ class Preprocess:
         await asyncio.wrap_future(self._vocabulary)
         compiling = asyncio.get_running_loop().run_in_executor(self._grammar_thread, self.grammars.automaton, regex)
         try:
-            automaton = await asyncio.wait_for(compiling, COMPILE_TIMEOUT_S)
-        except TimeoutError:
-            raise bad_request(f"the structure took over {COMPILE_TIMEOUT_S:g} s to compile for this model; "
-                              f"ask for a simpler one", param=param) from None
+            automaton = await compiling  # bounded by its worker process (``ProcessCompiler``)
         except ConstraintError as exc:
             raise bad_request(f"the structure {exc}", param=param) from None
         return tools, Constraint(regex, automaton, param)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from outlines_core import Index, Vocabulary
@@ -140,13 +140,25 @@ class TokenAutomaton:
         return state
 
 
+def compile_index(regex: str, vocabulary: Vocabulary) -> Index:
+    """outlines-core's automaton of ``regex`` over ``vocabulary`` (raises ConstraintError)."""
+    try:
+        return Index(regex, vocabulary)
+    except (ValueError, RuntimeError) as exc:
+        raise ConstraintError(f"cannot be compiled for this model's vocabulary: {exc}") from None
+
+
 class Grammars:
     """One model's vocabulary as outlines-core reads it (each token's bytes; the end ids,
     the mask and the special tokens left out, so none of them is ever text), and the
     automata of the regexes asked lately."""
 
-    def __init__(self, tokenizer, end_ids: Sequence[int], excluded_ids: Iterable[int] = (), vocab_size: int = 0):
-        """``vocab_size``: the model's (its logits'), where larger than the tokenizer's."""
+    def __init__(self, tokenizer, end_ids: Sequence[int], excluded_ids: Iterable[int] = (), vocab_size: int = 0,
+                 index_of: Callable[[str, Vocabulary], Index] | None = None):
+        """``vocab_size``: the model's (its logits'), where larger than the tokenizer's;
+        ``index_of(regex, vocabulary)``: outlines-core's automaton of a regex (raises
+        ConstraintError; default ``index_of``: in this process)."""
+        self.index_of = index_of or compile_index
         self.end_ids = tuple(sorted(set(end_ids)))
         self._vocab_size = vocab_size
         self._tokenizer = tokenizer
@@ -193,10 +205,7 @@ class Grammars:
             raise ConstraintError(f"the constraint's regular expression has {len(regex)} characters; "
                                   f"at most {MAX_REGEX_CHARS}")
         lead, lead_token = self._lead or ("", None)
-        try:
-            index = Index(lead + regex, self.vocabulary)
-        except (ValueError, RuntimeError) as exc:
-            raise ConstraintError(f"cannot be compiled for this model's vocabulary: {exc}") from None
+        index = self.index_of(lead + regex, self.vocabulary)
         states = len(index.get_transitions())
         if states > MAX_STATES:
             raise ConstraintError(f"the constraint needs {states} automaton states; at most {MAX_STATES}")
