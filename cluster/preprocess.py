@@ -39,7 +39,7 @@ from cluster.router import PrefixMemory
 from cluster.structure_compiler import ProcessCompiler
 from cluster.structured import StructureError, constraint_regex, schema_regex
 from cluster.tool_calls import ToolChoice, tool_choice
-from replicas.grammar import IGNORE_EOS_UNSTRUCTURED, UNREACHABLE, ConstraintError, Grammars, TokenAutomaton
+from replicas.grammar import IGNORE_EOS_UNSTRUCTURED, ConstraintError, Grammars, TokenAutomaton
 from replicas.request_cost import aligned_head, blocks_needed, prompt_pages, room_for_output
 from replicas.messages import INFILL_NEEDS, GenerateRequest, SamplingParams, request_problem
 from replicas.prefix_cache import page_hashes
@@ -69,12 +69,10 @@ class Constraint:
 
     def check_room(self, max_tokens: int) -> None:
         """400 where no answer of ``max_tokens`` tokens can match."""
-        shortest = int(self.automaton.to_accept[self.automaton.start])
-        if shortest == UNREACHABLE:
-            raise bad_request("no text this model's tokens can spell matches the structure", param=self.param)
-        if shortest > max_tokens:
-            raise bad_request(f"the shortest answer of this structure has {shortest} tokens; max_tokens is "
-                              f"{max_tokens}", param="max_tokens")
+        try:
+            self.automaton.check_room(self.automaton.start, max_tokens)
+        except ConstraintError as exc:
+            raise bad_request(str(exc), param=exc.param or self.param) from None
 
 
 def parsed_json(raw: bytes) -> dict | None:
@@ -224,20 +222,17 @@ class Preprocess:
             if body.tools and not chat:
                 raise StructureError("the chat route calls tools", "tools")
             tools = tool_choice(body.tools, body.tool_choice)
-            regex = constraint_regex(body.response_format, body.guided_json, body.guided_regex, body.guided_choice)
-            param = next((name for name in ("response_format", "guided_json", "guided_regex", "guided_choice")
-                          if getattr(body, name) is not None and not (name == "response_format" and
-                                                                       body.response_format.get("type") == "text")),
-                         None)
+            asked = constraint_regex(body.response_format, body.guided_json, body.guided_regex, body.guided_choice)
             if tools is not None:
-                if regex is not None:
+                if asked is not None:
                     raise StructureError("a tool call's arguments follow its function's schema; ask for no other "
-                                         "structure", param)
-                regex, param = schema_regex(tools.schema, "tools"), "tools"
+                                         "structure", asked[0])
+                asked = "tools", schema_regex(tools.schema, "tools")
         except StructureError as exc:
             raise bad_request(str(exc), param=exc.param) from None
-        if regex is None:
+        if asked is None:
             return None, None
+        param, regex = asked
         if body.ignore_eos:
             raise bad_request(IGNORE_EOS_UNSTRUCTURED, param="ignore_eos")
         await asyncio.wrap_future(self._vocabulary)

@@ -4,7 +4,7 @@ regular expression the replicas decode under (``replicas.grammar``).
 
 A JSON schema becomes a regular expression by outlines-core's ``build_regex_from_schema``:
 keys in the schema's order, at most one space between tokens of JSON, strings without
-``\\uXXXX`` escapes, recursion unrolled three levels deep. ``not`` and ``if``/``then``/``else``
+``\\u`` escapes, recursion unrolled three levels deep. ``not`` and ``if``/``then``/``else``
 are refused; numeric bounds (``minimum``, ``multipleOf``), ``uniqueItems`` and
 ``maxProperties`` are not enforced (docs/api.md "Structured output").
 """
@@ -99,9 +99,9 @@ def _choice_regex(choices: Any) -> str:
 
 
 def constraint_regex(response_format: Any = None, guided_json: Any = None, guided_regex: Any = None,
-                     guided_choice: Any = None) -> str | None:
-    """The one regular expression a request's answer must match, or None (free text);
-    raises StructureError naming the field at fault."""
+                     guided_choice: Any = None) -> tuple[str, str] | None:
+    """The field that asks for a structure and the one regular expression a request's answer
+    must match, or None (free text); raises StructureError naming the field at fault."""
     asked = {name: value for name, value in (("response_format", _response_format_regex(response_format)),
                                              ("guided_json", guided_json), ("guided_regex", guided_regex),
                                              ("guided_choice", guided_choice)) if value is not None}
@@ -111,11 +111,9 @@ def constraint_regex(response_format: Any = None, guided_json: Any = None, guide
         return None
     [(name, value)] = asked.items()
     if name == "guided_json":
-        return schema_regex(value, name)
-    if name == "guided_regex":
-        if not isinstance(value, str) or not value:
-            raise StructureError("must be a non-empty regular expression", name)
-        return value
-    if name == "guided_choice":
-        return _choice_regex(value)
-    return value
+        value = schema_regex(value, name)
+    elif name == "guided_regex" and (not isinstance(value, str) or not value):
+        raise StructureError("must be a non-empty regular expression", name)
+    elif name == "guided_choice":
+        value = _choice_regex(value)
+    return name, value

@@ -40,7 +40,12 @@ LEADS = [bytes([b]) for b in range(1, 32) if b not in (9, 10, 13)] + [c.encode()
 
 
 class ConstraintError(RequestError):
-    """A constraint that cannot be compiled for this model (a 400 naming ``response_format``)."""
+    """A constraint that cannot be served (a 400); ``param``: the field at fault where it
+    is not the structure's own (``max_tokens``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class TokenAutomaton:
@@ -131,6 +136,16 @@ class TokenAutomaton:
                 return False
         return any(self.to_accept[q] <= room_after for q in frontier)
 
+    def check_room(self, state: int, max_tokens: int, spent: int = 0) -> None:
+        """Raise ConstraintError where no answer of ``max_tokens`` tokens, ``spent`` of them
+        already read (into ``state``), can match."""
+        shortest = int(self.to_accept[state])
+        if shortest == UNREACHABLE:
+            raise ConstraintError("no text this model's tokens can spell matches the structure")
+        if shortest > max_tokens - spent:
+            raise ConstraintError(f"the shortest answer that matches the structure has {shortest + spent} tokens; "
+                                  f"max_tokens is {max_tokens}", param="max_tokens")
+
     def walk(self, state: int, tokens: Iterable[int]) -> int | None:
         """The state after ``tokens``; None where one is not allowed."""
         for token in tokens:
@@ -163,7 +178,7 @@ class Grammars:
         self._vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._excluded = set(excluded_ids) | set(self.end_ids) | set(getattr(tokenizer, "all_special_ids", ()))
-        self.automaton = functools.lru_cache(maxsize=COMPILED_KEPT)(self._compile)
+        self.automaton = functools.lru_cache(maxsize=COMPILED_KEPT)(self.compile)
 
     @functools.cached_property
     def _pieces(self) -> dict[bytes, list[int]]:
@@ -199,8 +214,8 @@ class Grammars:
         lead = min(singles, key=lambda piece: (starts[piece], LEADS.index(piece)))
         return f"\\x{{{lead[0]:02x}}}", self._pieces[lead][0]
 
-    def _compile(self, regex: str) -> TokenAutomaton:
-        """The automaton of ``regex`` (raises ConstraintError)."""
+    def compile(self, regex: str) -> TokenAutomaton:
+        """The automaton of ``regex``, compiled now (``automaton``: kept); raises ConstraintError."""
         if len(regex) > MAX_REGEX_CHARS:
             raise ConstraintError(f"the constraint's regular expression has {len(regex)} characters; "
                                   f"at most {MAX_REGEX_CHARS}")
@@ -229,10 +244,5 @@ class Grammars:
         state = automaton.walk(automaton.start, resumed)
         if state is None:
             raise ConstraintError("the resumed output does not match the constraint")
-        shortest = int(automaton.to_accept[state])
-        if shortest == UNREACHABLE:
-            raise ConstraintError("no text this model's tokens can spell matches the constraint")
-        if shortest > max_tokens - len(resumed):
-            raise ConstraintError(f"the shortest answer that matches the constraint has "
-                                  f"{shortest + len(resumed)} tokens; max_tokens is {max_tokens}")
+        automaton.check_room(state, max_tokens, len(resumed))
         return automaton, state

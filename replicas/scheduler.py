@@ -154,7 +154,8 @@ class Scheduler:
         request.output_ids.extend(commit.token_ids)
         if request.constraint is not None:
             request.constraint_state = request.constraint.walk(request.constraint_state, commit.token_ids)
-            if commit.finish_reason is FinishReason.LENGTH and request.constraint.accepting[request.constraint_state]:
+            whole = request.constraint_state is not None and request.constraint.accepting[request.constraint_state]
+            if commit.finish_reason is FinishReason.LENGTH and whole:
                 commit.finish_reason = FinishReason.STOP  # the structure is whole at max_tokens: it ended, not cut
         request.committed_block_steps.append(request.steps_in_block)
         request.finish_reason = commit.finish_reason

@@ -71,7 +71,7 @@ def compile_times(tokenizer, end_ids, excluded, sources=SOURCES) -> dict:
     for kind, source in sources:
         start = time.perf_counter()
         regex = schema_regex(source, "response_format") if kind == "schema" else source
-        automaton = grammars._compile(regex)
+        automaton = grammars.compile(regex)
         timings.append(1000 * (time.perf_counter() - start))
         states.append(automaton.num_states)
     slowest = max(range(len(sources)), key=timings.__getitem__)
