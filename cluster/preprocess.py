@@ -137,9 +137,6 @@ class Preprocess:
         self.grammars = Grammars(tokenizer, spec.end_token_ids, (spec.mask_token_id,), spec.vocab_size,
                                  index_of=ProcessCompiler(COMPILE_TIMEOUT_S))
         self._grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dllm-grammar")
-        # the model's vocabulary as the compiler reads it, made once (seconds at 150K tokens),
-        # from the start: a structure's compile bound counts the compile alone
-        self._vocabulary = self._grammar_thread.submit(lambda: self.grammars.vocabulary)
 
     # ---- the body ---------------------------------------------------------------------------
     def validated(self, raw: bytes, chat: bool, parsed: object = None) -> protocol.SamplingFields:
@@ -235,8 +232,11 @@ class Preprocess:
         param, regex = asked
         if body.ignore_eos:
             raise bad_request(IGNORE_EOS_UNSTRUCTURED, param="ignore_eos")
-        await asyncio.wrap_future(self._vocabulary)
-        compiling = asyncio.get_running_loop().run_in_executor(self._grammar_thread, self.grammars.automaton, regex)
+        loop = asyncio.get_running_loop()
+        # the model's vocabulary as the compiler reads it, made at the first structure (seconds
+        # at 150K tokens) and outside the compile's bound, which counts the compile alone
+        await loop.run_in_executor(self._grammar_thread, lambda: self.grammars.vocabulary)
+        compiling = loop.run_in_executor(self._grammar_thread, self.grammars.automaton, regex)
         try:
             automaton = await compiling  # bounded by its worker process (``ProcessCompiler``)
         except ConstraintError as exc:
