@@ -26,11 +26,13 @@ from dataclasses import dataclass
 import torch
 
 from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
+from replicas.adapters import Adapter, ResidentAdapters, enable_adapters
 from replicas.grammar import IGNORE_EOS_UNSTRUCTURED, Grammars
 from replicas.cost_model import OnlineCostModel
 from replicas.attention import resolve_backend
 from replicas.kv_cache import PagePool
 from replicas.models import load_model, load_tokenizer
+from replicas.models.checkpoint import our_name
 from replicas.kv_cache import KVCache
 from replicas.memory import PoolSize, allocate_pool, plan_pool
 from replicas.models.parallel import SINGLE, TensorParallel
@@ -128,6 +130,7 @@ class Engine:
         tp = getattr(model, "tp", SINGLE)
         if tp.size > 1:  # the other ranks run each forward with it (``follow_as_rank``)
             self.runner.broadcast = ForwardBroadcast(tp, device)
+        self.adapters = self._serve_adapters(config, tp)
         self.executor = StepExecutor(self.runner, self.rows, spec.mask_token_id, config.fused_commit)
         self.cost_model = OnlineCostModel(config.max_batch, clock=clock)
         self.outputs = OutputProcessor(tokenizer, spec.end_token_ids)
@@ -145,6 +148,16 @@ class Engine:
         self._arrivals = itertools.count()  # breaks deadline ties in the heap
         self.failed_steps_in_a_row = 0
         self._kept_algorithm = functools.lru_cache(maxsize=ALGORITHM_CHOICES_KEPT)(self._resolve_algorithm)
+
+    def _serve_adapters(self, config: EngineConfig, tp: TensorParallel) -> ResidentAdapters | None:
+        """The unmerged adapters' bank on the model, where ``config.adapters`` names any."""
+        if not config.adapters:
+            return None
+        if config.lora or tp.size > 1:
+            raise ValueError("unmerged adapters are served without lora (merged) and without tensor parallelism")
+        bank = enable_adapters(self.model)
+        self.runner.adapters = bank
+        return ResidentAdapters(bank, config.adapters, config.max_adapters, functools.partial(our_name, self.model))
 
     @classmethod
     def from_pretrained(cls, model: str = "tiny", config: EngineConfig | None = None, name: str = "local",
@@ -209,6 +222,7 @@ class Engine:
             raise RequestError(IGNORE_EOS_UNSTRUCTURED)
         constraint, constraint_state = (None, 0) if params.regex is None else self.grammars.begin(
             params.regex, params.max_tokens, params.resume_ids)
+        adapter = self._adapter(request.adapter)
         if whole and not isinstance(on_output, WholeAnswer):
             on_output = WholeAnswer(on_output)
         return Request(
@@ -227,7 +241,16 @@ class Engine:
             block_logprobs=None if params.logprobs is None else [None] * self.block_length,
             constraint=constraint,
             constraint_state=constraint_state,
+            adapter=adapter,
         )
+
+    def _adapter(self, name: str | None) -> Adapter | None:
+        """The loaded adapter ``name`` (None: the base model); RequestError for one not served."""
+        if name is None:
+            return None
+        if self.adapters is None or name not in self.adapters.paths:
+            raise RequestError(f"adapter {name!r} is not served here")
+        return self.adapters.get(name)
 
     def _check_continuation(self, request: GenerateRequest) -> None:
         """Raise RequestError where the engine cannot go on from the request's resumed ids or

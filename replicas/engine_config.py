@@ -68,7 +68,18 @@ class EngineConfig(BaseModel):
                           "block only); default: the model's ('prompt' for SDAR and LLaDA2.0, 'page' otherwise)")
     attention_backend: Literal["auto", "sdpa", "flash"] = Field(
         "auto", description="attention kernel: 'flash' is vllm-flash-attn (CUDA, the gpu extra); auto picks it when usable")
-    lora: str | None = Field(None, description="PEFT LoRA adapter directory merged into the weights at load")
+    lora: str | None = Field(None, description="PEFT LoRA adapter directory merged into the weights at load (one "
+                                               "adapter, no cost a step; see adapters for several)")
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="PEFT LoRA adapters served unmerged beside the base model, name -> directory: a request's "
+                    "model picks one; rows of several adapters and of the base model run in one step, each "
+                    "adapter's rows paying two small products per adapted layer (not with lora or "
+                    "tensor_parallel_size > 1)")
+    max_adapters: int = Field(
+        4, ge=1, le=1024, description="adapters loaded per replica at once: loaded on first use, the least "
+                                      "recently used dropped first; the router prefers replicas that hold "
+                                      "a request's adapter")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64,
         description="ranks one replica's model is split over (one device each, packed on one node): attention "

@@ -72,6 +72,7 @@ class GenerateRequest:
     # prompt tokens in the first answer block (blocks aligned to the sequence's start), as
     # ``cost`` counted them: a resumed attempt's cost is what is left of those blocks
     head: int = 0
+    adapter: str | None = None  # the unmerged LoRA adapter it runs with (``EngineConfig.adapters``); None: the base model
 
 
 @dataclass(slots=True)  # made per committed block; not frozen: a frozen init costs 4x

@@ -49,6 +49,7 @@ class CachedRun:
     parent: CachedRun | None  # the run this one continues (None: it starts a sequence)
     children: dict[Key, CachedRun] = field(default_factory=dict)  # by their first page's tokens
     refs: int = 0  # live requests holding it
+    tree: str | None = None  # the adapter whose KV it holds (None: the base model's)
 
     def path(self) -> Iterator[CachedRun]:
         """This run and the runs above it, up to the first."""
@@ -74,7 +75,7 @@ class PrefixCacheTotals:
 
 class PrefixCache:
     def __init__(self):
-        self._roots: dict[Key, CachedRun] = {}
+        self._roots: dict[str | None, dict[Key, CachedRun]] = {}  # per tree (adapter), its first runs
         self._unreferenced: OrderedDict[CachedRun, None] = OrderedDict()  # least recently released first
         self.num_unreferenced = 0  # pages of the unreferenced runs: free for the pool to evict
         self.num_pages = 0
@@ -82,17 +83,18 @@ class PrefixCache:
 
     def runs(self) -> Iterator[CachedRun]:
         """Every cached run, parents before their children."""
-        stack = list(self._roots.values())
+        stack = [run for roots in self._roots.values() for run in roots.values()]
         while stack:
             run = stack.pop()
             yield run
             stack.extend(run.children.values())
 
-    def match(self, keys: Sequence[Key]) -> tuple[CachedRun | None, int]:
+    def match(self, keys: Sequence[Key], tree: str | None = None) -> tuple[CachedRun | None, int]:
         """The deepest run of the longest prefix of ``keys`` (each page's tokens, from the
-        sequence's first) found in the cache, and how many pages that prefix has; a run the
-        prefix ends inside is split there first (what is cached does not change)."""
-        run, depth, level = None, 0, self._roots
+        sequence's first) found in the cache of ``tree`` (an adapter's name: its KV differs
+        from the base model's), and how many pages that prefix has; a run the prefix ends
+        inside is split there first (what is cached does not change)."""
+        run, depth, level = None, 0, self._children_of(None, tree)
         while depth < len(keys) and (child := level.get(keys[depth])) is not None:
             same, limit = 1, min(len(child.keys), len(keys) - depth)
             while same < limit and child.keys[same] == keys[depth + same]:
@@ -131,22 +133,23 @@ class PrefixCache:
                 self._unreferenced[above] = None
                 self.num_unreferenced += len(above.pages)
 
-    def insert(self, run: CachedRun | None, keys: Sequence[Key], pages: Sequence[int]) -> tuple[CachedRun | None, int]:
+    def insert(self, run: CachedRun | None, keys: Sequence[Key], pages: Sequence[int],
+               tree: str | None = None) -> tuple[CachedRun | None, int]:
         """Cache ``pages`` (their KV written), keyed by ``keys``, after ``run`` (the deepest
         run of the request that computed them, which holds it; None: from the sequence's
-        start); the request holds them. Where another request cached the first key already
+        start, in ``tree``); the request holds them. Where another request cached the first key already
         meanwhile, nothing is cached (the pages stay the request's own). Returns the
         request's deepest run now and how many pages it cached."""
         if len(keys) != len(pages):
             raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-        level = self._children_of(run)
+        level = self._children_of(run, tree)
         if not keys or keys[0] in level:
             return run, 0
         if run is not None and run.refs == 1 and not run.children:  # its own leaf: extended in place
             run.keys.extend(keys)
             run.pages.extend(pages)
         else:
-            run = level[keys[0]] = CachedRun(list(keys), list(pages), run, refs=1)
+            run = level[keys[0]] = CachedRun(list(keys), list(pages), run, refs=1, tree=tree)
         self.num_pages += len(keys)
         return run, len(keys)
 
@@ -166,7 +169,7 @@ class PrefixCache:
             del run.keys[-take:], run.pages[-take:]
             if not run.pages:
                 del self._unreferenced[run]
-                del self._children_of(run.parent)[first_key]
+                del self._children_of(run.parent, run.tree)[first_key]
         self.num_unreferenced -= count
         self.num_pages -= count
         self.totals.evictions += count
@@ -177,15 +180,15 @@ class PrefixCache:
         self.totals.pages_hit += pages_hit
         self.totals.tokens_hit += tokens_hit
 
-    def _children_of(self, run: CachedRun | None) -> dict[Key, CachedRun]:
-        """The runs that continue ``run``, by their first page's tokens (None: the roots)."""
-        return self._roots if run is None else run.children
+    def _children_of(self, run: CachedRun | None, tree: str | None) -> dict[Key, CachedRun]:
+        """The runs that continue ``run``, by their first page's tokens (None: ``tree``'s first)."""
+        return (self._roots.get(tree) or self._roots.setdefault(tree, {})) if run is None else run.children
 
     def _split(self, run: CachedRun, at: int) -> CachedRun:
         """Split ``run`` after its first ``at`` pages; the new run of those, which its
         holders hold as they held ``run`` (``run`` keeps the rest, and its holders)."""
-        head = CachedRun(run.keys[:at], run.pages[:at], run.parent, {run.keys[at]: run}, run.refs)
-        level = self._children_of(run.parent)
+        head = CachedRun(run.keys[:at], run.pages[:at], run.parent, {run.keys[at]: run}, run.refs, run.tree)
+        level = self._children_of(run.parent, run.tree)
         level[run.keys[0]] = head
         del run.keys[:at], run.pages[:at]
         run.parent = head

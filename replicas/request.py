@@ -70,6 +70,7 @@ class Request:
     # a constrained answer's automaton (``replicas.grammar``) and its state after the committed output
     constraint: TokenAutomaton | None = None
     constraint_state: int = 0
+    adapter: Any = None  # its unmerged LoRA adapter (``replicas.adapters.Adapter``); None: the base model
 
     # the request's layout, derived at construction from the fields that never change (on
     # the submitting thread, so that admission inside the engine's step only reads it)
@@ -121,6 +122,11 @@ class Request:
             self.prefix_keys = tuple(pages(prompt, self.prompt_pages) + pages(resume_ids, self.resumed_blocks))
             self.first_block_index = self.resumed_blocks
             self.blocks_to_denoise = self.max_blocks - self.resumed_blocks
+
+    @property
+    def cache_tree(self) -> str | None:
+        """Whose prefix-cache KV it reads and writes: its adapter's, or the base model's (None)."""
+        return None if self.adapter is None else self.adapter.name
 
     @property
     def status(self) -> Phase:

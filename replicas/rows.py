@@ -31,6 +31,7 @@ class RowTable:
         self.prompt_tail = np.full(num_rows, page_size, dtype=np.int64)
         self.last_page = np.zeros(num_rows, dtype=np.int64)
         self.last_tail = np.full(num_rows, page_size, dtype=np.int64)
+        self.adapters: list = [None] * num_rows  # each row's unmerged adapter (``replicas.adapters``), or None
         self._free = list(range(num_rows - 1, -1, -1))
 
     @property
@@ -38,12 +39,14 @@ class RowTable:
         return len(self._free)
 
     def acquire(self, prompt_ids: list[int], pages: list[int], resume_ids: Sequence[int] = (),
-                aligned: bool = False) -> int:
+                aligned: bool = False, adapter=None) -> int:
         """Claim a row for a prompt and the blocks ``resume_ids`` it resumes with (whole
         blocks, on the pages after the prompt's); ``pages``: the prompt's pages, then one
         per resumed block. ``aligned``: prompt and resumed ids run on without a gap, and
-        ``pages`` are their whole pages (the rest goes in the first block's page)."""
+        ``pages`` are their whole pages (the rest goes in the first block's page).
+        ``adapter``: the request's unmerged adapter."""
         row = self._free.pop()
+        self.adapters[row] = adapter
         size = self.page_size
         count = len(prompt_ids)
         flat = self.tokens[row].reshape(-1)  # a view
@@ -89,6 +92,7 @@ class RowTable:
             self.last_tail[row] = len(suffix_ids) - (suffix_pages - 1) * self.page_size
 
     def release(self, row: int) -> None:
+        self.adapters[row] = None
         self._free.append(row)
 
     def blocks(self, rows: Sequence[int], page_indices: Sequence[int]) -> np.ndarray:

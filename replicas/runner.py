@@ -108,6 +108,7 @@ class ModelRunner:
         self._page_positions = np.arange(pages)[:, None] * self.block_length + self._offsets
         self._first_logits: torch.Tensor | None = None  # [rows, V]: shifted models' first logit
         self.broadcast = None  # a tensor-parallel rank 0's channel to the other ranks (``replicas.tensor_parallel``)
+        self.adapters = None  # the model's ``AdapterBank`` where unmerged adapters are served
 
     def _refreshed(self, batch: ScheduledBatch) -> np.ndarray | None:
         """[R] bool over block units: recompute the row's whole sequence this step (a
@@ -210,6 +211,8 @@ class ModelRunner:
         if self.shift_logits:  # position i reads the output at i - 1; the first, the token before
             logits_index = logits_index - 1
             logits_index[~refreshed, 0] = 0  # not fed this step: replaced by the kept logit
+        if self.adapters is not None:
+            self.adapters.begin(np.repeat(unit_row, unit_count), logits_index.reshape(-1), rows.adapters, self.device)
         tensor = torch.from_numpy
         layout = BatchLayout(span_start=tensor(span_start), cache_positions=tensor(cache_positions),
                              key_cache_positions=tensor(key_cache_positions), key_valid=tensor(key_valid),
@@ -255,8 +258,12 @@ class ModelRunner:
             self.broadcast.send(input_ids, positions, layout, logits_index)
         timer = ForwardTimer(self.device)
         context = paged_context(self.backend, layout, self.kv_cache.k, self.kv_cache.v, self.block_length)
-        logits = self.model(to_device(input_ids, self.device), to_device(positions, self.device), context,
-                            to_device(logits_index.view(-1), self.device))
+        try:
+            logits = self.model(to_device(input_ids, self.device), to_device(positions, self.device), context,
+                                to_device(logits_index.view(-1), self.device))
+        finally:
+            if self.adapters is not None:
+                self.adapters.end()
         logits = logits.view(-1, self.block_length, logits.shape[-1])
         if self.shift_logits:
             logits = self._keep_first_logits(logits, batch, refreshed)

@@ -179,7 +179,7 @@ class Scheduler:
             keys = (block,)
         else:
             return
-        allocation.share(*self.cache.insert(allocation.cached, keys, allocation.pages[first:end]))
+        allocation.share(*self.cache.insert(allocation.cached, keys, allocation.pages[first:end], request.cache_tree))
 
     # ---- rounds and admission ----------------------------------------------------------
     def _end_round(self) -> bool:
@@ -244,7 +244,8 @@ class Scheduler:
             request.block_index = request.first_block_index
             request.prefilled_pages = depth
             prefix, canvas = allocation.pages[:request.prefix_pages], allocation.pages[request.prefix_pages:]
-            request.row = self.rows.acquire(request.prompt_ids, prefix, request.params.resume_ids, request.aligned)
+            request.row = self.rows.acquire(request.prompt_ids, prefix, request.params.resume_ids, request.aligned,
+                                              request.adapter)
             if self.full_canvas:
                 self.rows.lay_canvas(request.row, request.prefix_pages, canvas, self.mask_id, request.params.suffix_ids)
             request.phase = Phase.PREFILL
@@ -255,7 +256,7 @@ class Scheduler:
         that is (none without a cache)."""
         if self.cache is None:
             return None, 0
-        return self.cache.match(request.prefix_keys)
+        return self.cache.match(request.prefix_keys, request.cache_tree)
 
     def _being_prefilled(self, request: Request, cached: CachedRun | None, depth: int) -> bool:
         """Whether a running request is prefilling the first page of ``request``'s prefix
@@ -266,7 +267,8 @@ class Scheduler:
         if self.cache is None or depth >= request.prefix_pages:
             return False
         return any(other.phase is Phase.PREFILL and other.allocation.shared == depth < other.prefix_pages
-                   and other.allocation.cached is cached and other.prefix_keys[depth] == request.prefix_keys[depth]
+                   and other.allocation.cached is cached and other.cache_tree == request.cache_tree
+                   and other.prefix_keys[depth] == request.prefix_keys[depth]
                    for other in self.running)
 
     def _start_block(self, request: Request) -> None:

@@ -128,7 +128,8 @@ def weight_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def _rename(net: nn.Module, name: str) -> str:
+def our_name(net: nn.Module, name: str) -> str:
+    """A checkpoint parameter name under ``net``'s own naming (its ``checkpoint_renames``)."""
     for pattern, replacement in getattr(net, "checkpoint_renames", ()):
         renamed, count = re.subn(pattern, replacement, name)
         if count:
@@ -160,7 +161,7 @@ def _read_state(path: Path, net: nn.Module, dtype: torch.dtype, device: str,
             for name in names:
                 if tied and name == "lm_head.weight":
                     continue  # a tied head is the embedding; some checkpoints store a copy
-                ours = _rename(net, name)
+                ours = our_name(net, name)
                 if tp.size == 1:
                     tensor = f.get_tensor(name)
                 else:

@@ -1,4 +1,5 @@
-"""PEFT LoRA adapters merged into a checkpoint's weights at load time.
+"""PEFT LoRA adapters: read, checked against a model, merged into a checkpoint's weights at
+load time (``merge_delta``) or kept apart and applied per row (``replicas.adapters``).
 
 An adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, optional
 ``use_rslora`` and ``fan_in_fan_out``) and ``adapter_model.safetensors`` with
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 PREFIX = "base_model.model."
 
@@ -25,7 +28,8 @@ class LoraError(ValueError):
 
 
 def read_adapter(path: str | Path) -> tuple[float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """The adapter's scale and ``{base parameter name: (A, B)}``."""
+    """The adapter's scale and ``{base parameter name: (A, B)}``; every A has ``r`` rows and
+    every B ``r`` columns (the module is named where one does not)."""
     path = Path(path).expanduser()
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     for needed in (config_file, weights_file):
@@ -50,7 +54,34 @@ def read_adapter(path: str | Path) -> tuple[float, dict[str, tuple[torch.Tensor,
     if incomplete:
         raise LoraError(f"{weights_file}: lora_A or lora_B missing for {incomplete[:3]}")
     transpose = bool(config.get("fan_in_fan_out"))
-    return scale, {base: (p["lora_A"], p["lora_B"].T if transpose else p["lora_B"]) for base, p in pairs.items()}
+    adapter = {base: (p["lora_A"], p["lora_B"].T if transpose else p["lora_B"]) for base, p in pairs.items()}
+    for base, (a, b) in adapter.items():
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise LoraError(f"{weights_file}: {base.removesuffix('.weight')} has A{tuple(a.shape)} and "
+                            f"B{tuple(b.shape)}, not the rank r={rank} of {config_file.name}")
+    return scale, adapter
+
+
+def adapter_on(linears: dict[str, nn.Linear], path: str | Path,
+               rename: Callable[[str], str]) -> tuple[float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The adapter at ``path`` for a model whose adaptable layers are ``linears`` (by module
+    name): its scale and ``{module name: (A, B)}`` (``rename``: a checkpoint parameter name
+    to the model's). Raises ``LoraError`` naming the module where it targets one that is
+    not among them or whose shape is not ``B @ A``'s."""
+    scale, pairs = read_adapter(path)
+    adapted = {}
+    for base, (a, b) in pairs.items():
+        name = rename(base).removesuffix(".weight")
+        module = linears.get(name)
+        target = base.removesuffix(".weight")
+        if module is None:
+            raise LoraError(f"LoRA adapter {path} targets {target}, which is not an attention or dense MLP "
+                            "projection of the model (what an unmerged adapter can adapt)")
+        if (b.shape[0], a.shape[1]) != (module.out_features, module.in_features):
+            raise LoraError(f"LoRA adapter {path}: {target} is [{module.out_features}, {module.in_features}] "
+                            f"in the model, B{tuple(b.shape)} @ A{tuple(a.shape)} in the adapter")
+        adapted[name] = (a, b)
+    return scale, adapted
 
 
 def merge_delta(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

@@ -110,6 +110,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    adapters = None  # an ``AdapterBank`` where unmerged adapters are served (``replicas.adapters``)
+
     def __init__(self, shape: DecoderShape, layer_index: int, mlp: nn.Module, tp: TensorParallel = SINGLE):
         """``shape``: this rank's (``DecoderShape.on_rank``)."""
         super().__init__()
@@ -128,6 +130,8 @@ class DecoderLayer(nn.Module):
         x = add(x, self.tp.all_reduce(self.self_attn(self.input_layernorm(x), rotation, context)))
         if keep is not None:
             x = x[keep]
+            if self.adapters is not None:
+                self.adapters.keep()
         return add(x, self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x))))
 
 
