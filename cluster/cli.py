@@ -44,6 +44,10 @@ def _setting_flags(parser: argparse.ArgumentParser, settings: type[BaseModel], d
     their type, a dict a YAML mapping. A given value lands at ``dest_prefix + name``; an
     option not given sets nothing, so the settings' own default applies."""
     for name, field in settings.model_fields.items():
+        if name == "lora":
+            parser.add_argument("--lora", dest=dest_prefix + name, action="append", metavar="[NAME=]DIR",
+                                default=argparse.SUPPRESS, help=_LORA_HELP)
+            continue
         kind = field.annotation
         if get_origin(kind) in (Union, types.UnionType):
             kind = next(arg for arg in get_args(kind) if arg is not type(None))
@@ -71,9 +75,32 @@ def _setting_flags(parser: argparse.ArgumentParser, settings: type[BaseModel], d
         parser.add_argument("--" + name.replace("_", "-"), help=help_text.replace("%", "%%"), **options)
 
 
+_LORA_HELP = ("a PEFT LoRA adapter directory: DIR alone is merged into the weights at load (one adapter, no "
+              "cost a step); NAME=DIR serves it unmerged under the model name NAME beside the base model "
+              "(repeatable: several adapters, the rows of each in the same steps; sets adapters)")
+
+
 def _given(args, dest_prefix: str) -> dict:
-    """The setting flags given on the command line, by dest."""
-    return {dest: value for dest, value in vars(args).items() if dest.startswith(dest_prefix)}
+    """The setting flags given on the command line, by dest; ``--lora`` split into the
+    merged adapter (``lora``) and the named ones (``adapters``)."""
+    given = {dest: value for dest, value in vars(args).items() if dest.startswith(dest_prefix)}
+    items = given.pop(dest_prefix + "lora", None) or []
+    merged = [item for item in items if not _named_adapter(item)]
+    if len(merged) > 1:
+        raise SystemExit("dllm-serve: --lora DIR merges one adapter into the weights; serve several unmerged "
+                         "as --lora NAME=DIR each")
+    if merged:
+        given[dest_prefix + "lora"] = merged[0]
+    named = dict(item.split("=", 1) for item in items if _named_adapter(item))
+    if named:
+        given[dest_prefix + "adapters"] = {**given.get(dest_prefix + "adapters", {}), **named}
+    return given
+
+
+def _named_adapter(item: str) -> bool:
+    """``NAME=DIR`` (a name has no slash; a directory may hold an '=')."""
+    name, sep, _ = item.partition("=")
+    return bool(sep) and bool(name) and "/" not in name
 
 
 def _engine_config(args) -> EngineConfig:
@@ -273,7 +300,7 @@ def cmd_up(args) -> int:
 
     replica = config.replica
     spec = check_checkpoint(config.model, replica.lora, replica.model_overrides, replica.tensor_parallel_size,
-                            replica.expert_parallel_size)  # before any process starts
+                            replica.expert_parallel_size, replica.adapters)  # before any process starts
     _check_model_default_algorithm(config, spec)
     _check_pool_settings(replica, spec)
     keys = load_keys(config.api_key_file)  # the ingress replicas read them again, each in its process

@@ -53,8 +53,13 @@ class Dispatch:
         failover = dict(max_attempts=settings.max_attempts, backoff_s=settings.backoff_s, block_length=block_length,
                         on_failover=self._count_failover, healthy_elsewhere=self._healthy_elsewhere,
                         healthy_wait_s=settings.healthy_wait_s, held_text=held_text)
-        self.failover = Failover(lambda job: self.replicas.generate.remote(job), **failover)
-        self.failover_whole = Failover(lambda job: self.replicas.generate_whole.remote(job), **failover)
+        self.failover = Failover(lambda job: self._replicas_for(job).generate.remote(job), **failover)
+        self.failover_whole = Failover(lambda job: self._replicas_for(job).generate_whole.remote(job), **failover)
+
+    def _replicas_for(self, job: GenerateRequest):
+        """The handle for ``job``: with its adapter as Serve's multiplexed model id (the
+        router prefers the replicas that hold it)."""
+        return self.replicas if job.adapter is None else self.replicas.options(multiplexed_model_id=job.adapter)
 
     @contextmanager
     def counted(self) -> Iterator[None]:

@@ -137,16 +137,18 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self, authorization: str | None = Header(None)):
         self._authorize(authorization)
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": [self._model_card(None), *map(self._model_card, self.config.replica.adapters)]}
 
     @app.get("/v1/models/{model:path}")  # ``path``: a model name may hold slashes (org/name)
     async def model(self, model: str, authorization: str | None = Header(None)):
         self._authorize(authorization)
-        self.preprocess.check_model(model)
-        return self._model_card()
+        return self._model_card(self.preprocess.check_model(model))
 
-    def _model_card(self) -> dict:
-        return {"id": self.config.model_name, "object": "model", "owned_by": "dllm-serve", "created": 0}
+    def _model_card(self, adapter: str | None) -> dict:
+        """The base model's card, or an unmerged adapter's (its ``parent`` the base, as vLLM lists them)."""
+        base = self.config.model_name
+        card = {"id": adapter or base, "object": "model", "owned_by": "dllm-serve", "created": 0, "root": base}
+        return card if adapter is None else card | {"parent": base}
 
     @app.get("/v1/dllm/calibration")
     async def calibration(self, window_s: float = Query(60.0, gt=0),

@@ -177,12 +177,16 @@ class Preprocess:
         blocks = blocks_needed(limit, self.shape.block_length)
         self.refusals.raise_if_refused(self.admission.quick_refusal(blocks * n * prompts, deadline_s))
 
-    def check_model(self, model: str) -> None:
-        """Raise the OpenAI 404 for a model this server does not serve."""
-        if model != self.config.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                                f"'{self.config.model_name}'", type_="not_found_error", param="model",
-                           code="model_not_found")
+    def check_model(self, model: str) -> str | None:
+        """The unmerged adapter ``model`` names (None: the base model); the OpenAI 404 for a
+        model this server does not serve."""
+        if model == self.config.model_name:
+            return None
+        if model in self.config.replica.adapters:
+            return model
+        served = ", ".join(f"'{name}'" for name in [self.config.model_name, *self.config.replica.adapters])
+        raise APIError(404, f"the model '{model}' does not exist; this server serves {served}",
+                       type_="not_found_error", param="model", code="model_not_found")
 
     @property
     def max_model_len(self) -> int:
@@ -285,7 +289,7 @@ class Preprocess:
     def prepare(self, body: protocol.SamplingFields, prompt: str | list[int],
                 constraint: Constraint | None = None) -> GenerateRequest:
         """Validate everything and build the engine request of one prompt; raises APIError."""
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
         block = self.spec.block_length
         if body.block_length is not None and body.block_length != block:
             raise bad_request(f"this model decodes in blocks of {block}; block_length {body.block_length} "
@@ -336,13 +340,13 @@ class Preprocess:
         cost = self.admission.cost(head + max_tokens, block, worst, self.shape.max_cost)
         if params.adaptive:
             cost = self._adaptive_cost(cost, algorithm.name)
-        hashes = page_hashes(prompt_ids, block) if self.shape.prefix_cache else ()
+        hashes = page_hashes(prompt_ids, block, adapter) if self.shape.prefix_cache else ()
         # the prompt's pages the replicas compute, less those of the longest prefix this ingress
         # sent: likely cached where it went
         uncached = prompt_pages(len(prompt_ids), block, self.shape.aligned) - self.sent_prefixes.known_pages(hashes)
         prompt_cost = math.ceil(self.admission.prompt_cost(uncached))
         return GenerateRequest(protocol.new_id("chatcmpl" if chat else "cmpl"), prompt_ids, params,
-                               min(cost + prompt_cost, self.shape.max_cost), prompt_cost, hashes, head)
+                               min(cost + prompt_cost, self.shape.max_cost), prompt_cost, hashes, head, adapter)
 
     def _adaptive_cost(self, cost: int, algorithm: str) -> int:
         """An adaptive request's charge while the replicas run degraded: ``cost`` at the

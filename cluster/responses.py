@@ -129,7 +129,7 @@ class Render:
         choices = [protocol.Choice(i, echo + a.text, a.finish_reason, self._logprobs(a, answer.chat, 0),
                                    tool_call=whole_call(answer.tools, a.text))
                    for i, (echo, a) in enumerate(zip(answer.echoes, answers))]
-        return JSONResponse(answer.body(self.model_name, choices, chunk=False, usage_=usage(answers, answer.n),
+        return JSONResponse(answer.body(answer.job.adapter or self.model_name, choices, chunk=False, usage_=usage(answers, answer.n),
                                         extra={"dllm": self._dllm_info(answer.job, *answers)}))
 
     async def _sse(self, stream: AsyncIterator[tuple[int, GenerateChunk]], answer: Answer,
@@ -137,7 +137,7 @@ class Render:
         """One event per committed block of each choice (``n`` a prompt; the first one after
         its echo), then ``data: [DONE]``."""
         request_id = answer.job.request_id
-        model = self.model_name
+        model = answer.job.adapter or self.model_name
         last: dict[int, GenerateChunk] = {}  # each choice's
         text_offsets: dict[int, int] = {}
         calls = {index: StreamedCall(answer.tools) for index in range(len(answer.echoes))} if answer.tools else {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TypeVar
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -31,6 +32,9 @@ from replicas.messages import GenerateRequest
 from replicas.telemetry.reports import MIN_STALE_S, ReplicaStats
 
 MAX_REMEMBERED_PAGES = 200_000  # prefix hashes a router keeps (a few MB)
+# a request for an adapter goes to a replica that holds it when that one drains within this of the
+# soonest (loading an adapter takes the time of reading it; queueing behind others may take longer)
+ADAPTER_AFFINITY_S = 2.0
 T = TypeVar("T")
 _avoid_until: dict[str, float] = {}  # replica id -> until when (monotonic) to rank it last
 
@@ -90,6 +94,15 @@ def affinity_first(fresh: list[tuple[float, str, T]], holder: str | None, slack_
     return [replica for _, _, replica in ranked]
 
 
+def holders_first(ranked: list[tuple[float, T]], holds: Callable[[T], bool], slack_s: float) -> list[T]:
+    """The replicas of ``ranked`` (predicted drain, replica; in the order to try), those that
+    ``holds`` (a request's adapter) and drain within ``slack_s`` of the soonest moved to the
+    front: a replica that must load the adapter first is tried first only when those are busier."""
+    soonest = min((drain for drain, _ in ranked), default=0.0)
+    near = [replica for drain, replica in ranked if holds(replica) and drain <= soonest + slack_s]
+    return near + [replica for _, replica in ranked if replica not in near]
+
+
 def ranks_for_serve(ranked: list[T], stale: list[T], failing: list[T]) -> list[list[T]]:
     """Serve's ranks (it tries each in turn, and waits and asks again when all are full):
     each ``ranked`` replica on its own, then the ``stale`` ones together; the ``failing``
@@ -136,6 +149,11 @@ class DrainTimeRouter(FIFOMixin, RequestRouter):
         holder = self.prefixes.holder(_prefix_hashes(pending_request))
         ranked = affinity_first([(drain, replica.replica_id.unique_id, replica) for drain, replica in fresh],
                                 holder, self.prefix_affinity_s)
+        adapter = _adapter(pending_request)
+        if adapter is not None:
+            drains = {replica.replica_id: drain for drain, replica in fresh}
+            ranked = holders_first([(drains[replica.replica_id], replica) for replica in ranked],
+                                   lambda replica: adapter in replica.multiplexed_model_ids, ADAPTER_AFFINITY_S)
         return ranks_for_serve(ranked, [replica for _, replica in stale], failing)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
@@ -160,6 +178,11 @@ def _job(pending_request: PendingRequest | None) -> GenerateRequest | None:
 def _request_cost(pending_request: PendingRequest | None) -> float:
     job = _job(pending_request)
     return (job.cost or 0.0) if job is not None else 0.0
+
+
+def _adapter(pending_request: PendingRequest | None) -> str | None:
+    job = _job(pending_request)
+    return job.adapter if job is not None else None
 
 
 def _prefix_hashes(pending_request: PendingRequest | None) -> tuple[int, ...]:

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 import torch
+from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from replicas.async_engine import AsyncEngine
 from replicas.engine import Engine
@@ -63,12 +65,35 @@ class EngineReplica:
         self.unhealthy_after_failed_steps = unhealthy_after_failed_steps
         self.node_id = self._node_id()
         self.async_engine = AsyncEngine(engine, on_step=self.monitor.on_step)
+        self._load_adapter = self._adapter_loader(engine)
         self._metrics_actor = metrics_actor
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, args=(stats_period_s,),
                                           name="dllm-stats", daemon=True)
         self._reporter.start()
         settle_after_start_up()
+
+    @staticmethod
+    def _adapter_loader(engine: Engine):
+        """Where the engine serves unmerged adapters: an async ``load(name)`` that loads one
+        off the event loop before its request reaches the engine, through Serve's model
+        multiplexing (``serve.multiplexed``), which tells the routers which replica holds
+        which adapter (``multiplexed_model_ids``) and keeps as many as the engine does. A
+        load that fails is left to the engine, which refuses the request with the reason."""
+        if engine.adapters is None:
+            return None
+
+        async def load(name: str) -> None:
+            try:
+                await asyncio.to_thread(engine.adapters.get, name)
+            except (KeyError, ValueError):
+                log.exception("adapter %r did not load", name)
+
+        try:
+            serve.get_replica_context()
+        except RayServeException:  # a replica built outside Serve (tests, benches): no router to tell
+            return load
+        return serve.multiplexed(max_num_models_per_replica=engine.adapters.capacity)(load)
 
     @staticmethod
     def _start_ranks(model: str, config: EngineConfig, resources: dict,
@@ -145,6 +170,8 @@ class EngineReplica:
             if first_block is None and tokens:
                 first_block = time.monotonic() - start
 
+        if request.adapter is not None and self._load_adapter is not None:
+            await self._load_adapter(request.adapter)
         try:
             params, level = self._quality_for(request.params)
             cost = request.cost if request.cost is not None else self.worst_case_cost(request.prompt_ids, params)

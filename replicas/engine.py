@@ -33,6 +33,7 @@ from replicas.attention import resolve_backend
 from replicas.kv_cache import PagePool
 from replicas.models import load_model, load_tokenizer
 from replicas.models.checkpoint import our_name
+from replicas.models.lora import LoraError
 from replicas.kv_cache import KVCache
 from replicas.memory import PoolSize, allocate_pool, plan_pool
 from replicas.models.parallel import SINGLE, TensorParallel
@@ -250,7 +251,10 @@ class Engine:
             return None
         if self.adapters is None or name not in self.adapters.paths:
             raise RequestError(f"adapter {name!r} is not served here")
-        return self.adapters.get(name)
+        try:
+            return self.adapters.get(name)
+        except LoraError as exc:
+            raise RequestError(f"adapter {name!r} cannot be loaded: {exc}") from exc
 
     def _check_continuation(self, request: GenerateRequest) -> None:
         """Raise RequestError where the engine cannot go on from the request's resumed ids or

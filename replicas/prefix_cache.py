@@ -24,6 +24,7 @@ evicts the pages it lacks when too few are free (``PagePool.take``).
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,11 +32,12 @@ from dataclasses import dataclass, field
 Key = tuple[int, ...]  # a page's tokens
 
 
-def page_hashes(prompt_ids: Sequence[int], page_size: int) -> tuple[int, ...]:
+def page_hashes(prompt_ids: Sequence[int], page_size: int, tree: str | None = None) -> tuple[int, ...]:
     """One hash per whole page of ``prompt_ids``, each over that page and every page before
-    it: what a router compares to find where a prompt's longest prefix went (ints and
-    tuples hash alike in every process)."""
-    hashes, last = [], 0
+    it (and ``tree``, the adapter whose KV the pages hold): what a router compares to find
+    where a prompt's longest prefix went (ints and tuples hash alike in every process; a
+    string's hash does not, so the adapter's name enters by its CRC)."""
+    hashes, last = [], 0 if tree is None else zlib.crc32(tree.encode())
     for start in range(0, len(prompt_ids) - page_size + 1, page_size):
         last = hash((last, tuple(prompt_ids[start:start + page_size])))
         hashes.append(last)

@@ -21,7 +21,7 @@ from replicas.models.defaults import ModelSettingsError, apply_overrides, listed
 from replicas.models.dream import DreamModel
 from replicas.models.llada import LLaDAModelLM
 from replicas.models.llada2_moe import LLaDA2MoeModelLM
-from replicas.models.lora import LoraError, merge_delta, read_adapter
+from replicas.models.lora import LoraError, adapter_on, merge_delta, read_adapter
 from replicas.models.parallel import SINGLE, ShardingError, TensorParallel, shard_of
 from replicas.models.sdar import SDARForCausalLM
 from replicas.models.spec import ModelSpec
@@ -256,11 +256,13 @@ def load_model_spec(model: str | Path, overrides: dict | None = None) -> ModelSp
 
 
 def check_checkpoint(model: str | Path, lora: str | Path | None = None, overrides: dict | None = None,
-                     tensor_parallel_size: int = 1, expert_parallel_size: int | None = None) -> ModelSpec:
+                     tensor_parallel_size: int = 1, expert_parallel_size: int | None = None,
+                     adapters: dict[str, str] | None = None) -> ModelSpec:
     """Everything ``load_model`` and ``load_tokenizer`` would find wrong short of reading the
     weights (config, architecture, overrides, a split over ``tensor_parallel_size`` ranks
     and its experts over ``expert_parallel_size`` parts, shards, tokenizer and adapter
-    files): a server checks this before it starts any process."""
+    files, and every unmerged adapter's modules, rank and shapes): a server checks this
+    before it starts any process."""
     path = resolve_path(model)
     net = _build(path, overrides)
     if expert_parallel_size is not None and not hasattr(net.config, "num_experts"):
@@ -282,4 +284,24 @@ def check_checkpoint(model: str | Path, lora: str | Path | None = None, override
             read_adapter(lora)
         except LoraError as exc:
             raise CheckpointError(str(exc)) from exc
+    if adapters:
+        _check_adapters(net, adapters, bool(lora), tensor_parallel_size)
     return net.spec
+
+
+def _check_adapters(net: nn.Module, adapters: dict[str, str], merged: bool, tensor_parallel_size: int) -> None:
+    """Raise CheckpointError, naming the adapter and the module, for an unmerged adapter
+    ``net`` (on the meta device) cannot take."""
+    from replicas.adapters import enable_adapters
+
+    if merged or tensor_parallel_size > 1:
+        raise CheckpointError("unmerged adapters are served without lora (merged) and without tensor parallelism")
+    try:
+        bank = enable_adapters(net)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
+    for name, directory in adapters.items():
+        try:
+            adapter_on(bank.linears, directory, lambda n: our_name(net, n))
+        except LoraError as exc:
+            raise CheckpointError(f"adapter {name!r}: {exc}") from exc

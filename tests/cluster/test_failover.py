@@ -178,3 +178,32 @@ def test_a_continuation_is_charged_the_blocks_left(aligned, committed, blocks):
     job = GenerateRequest("r", [1] * 9, SamplingParams(96), cost=700.0, head=9 if aligned else 0)
     resumed = Failover(None, 2, 0.0, 16)._resumed(job, [5] * committed, 0.0, 2)
     assert resumed.cost == -(-700 * (blocks - 2) // blocks)
+
+
+def test_a_request_for_an_adapter_resumes_with_its_adapter(tmp_path):
+    """An unmerged adapter's request broken twice: every attempt names the adapter, and the
+    stitched answer is the adapter's (an engine over the merged checkpoint's)."""
+    from replicas.engine import Engine
+    from tests.replicas.models.checkpoint_builders import OVERRIDES, write_checkpoint
+    from tests.replicas.models.test_lora import checkpoint_weights, write_adapter
+
+    checkpoint = write_checkpoint(tmp_path / "sdar", "SDARForCausalLM")
+    weights = checkpoint_weights(checkpoint)
+    write_adapter(tmp_path / "a", {name: weights[name].shape for name in weights if name.endswith("proj.weight")})
+    settings = dict(max_batch=2, model_overrides=OVERRIDES["SDARForCausalLM"])
+    config = EngineConfig(adapters={"a": str(tmp_path / "a")}, **settings)
+    replica = EngineReplica(str(checkpoint), config, metrics_actor=None)
+    try:
+        job = GenerateRequest("r1", [5, 17, 42, 99, 3, 6, 7], SamplingParams(24, ignore_eos=True), adapter="a")
+        generate, attempts = breaking(replica, [1, 1])
+        stitched = collect(Failover(generate, 3, 0.0, replica.engine.block_length), job)
+        assert [a.adapter for a in attempts] == ["a", "a", "a"]
+        assert [len(a.params.resume_ids) for a in attempts] == [0, 1, 5]  # aligned: the prompt ends in block 1
+        merged = Engine.from_pretrained(str(checkpoint), EngineConfig(lora=str(tmp_path / "a"), **settings))
+        [alone] = merged.generate([job.prompt_ids], job.params)
+        base = Engine.from_pretrained(str(checkpoint), EngineConfig(**settings))
+        [unadapted] = base.generate([job.prompt_ids], job.params)
+        ids = [t for c in stitched for t in c.token_ids]
+        assert ids == alone.token_ids != unadapted.token_ids
+    finally:
+        replica.__del__()

@@ -4,7 +4,7 @@ time lets the request follow it."""
 import subprocess
 import sys
 
-from cluster.router import PrefixMemory, affinity_first, ranks_for_serve
+from cluster.router import PrefixMemory, affinity_first, holders_first, ranks_for_serve
 from replicas.prefix_cache import page_hashes
 
 
@@ -45,3 +45,12 @@ def test_a_failing_replica_is_offered_only_when_no_other_is_up():
     assert ranks_for_serve([], ["s1", "s2"], ["f"]) == [["s1", "s2"]]
     assert ranks_for_serve([], [], ["f1", "f2"]) == [["f1", "f2"]]  # rather than nowhere
     assert ranks_for_serve([], [], []) == []
+
+
+def test_replicas_holding_the_adapter_go_first_when_they_drain_nearly_as_soon():
+    ranked = [(0.5, "two"), (1.2, "three"), (4.0, "one")]
+    holds = {"three", "one"}.__contains__
+    assert holders_first(ranked, holds, 2.0) == ["three", "two", "one"]  # 1.2 s <= 0.5 + 2; 4.0 s too late
+    assert holders_first(ranked, holds, 5.0) == ["three", "one", "two"]
+    assert holders_first(ranked, holds, 0.5) == ["two", "three", "one"]
+    assert holders_first(ranked, lambda replica: False, 9.0) == ["two", "three", "one"]

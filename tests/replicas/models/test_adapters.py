@@ -122,3 +122,40 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused_naming_the_module(che
     (tmp_path / "rank" / "adapter_config.json").write_text(json.dumps(config | {"r": 8}))
     with pytest.raises(LoraError, match="blocks.0.q_proj has A.4, 64. and B.64, 4., not the rank r=8"):
         bank.load("rank", tmp_path / "rank", rename)
+
+
+def test_up_takes_named_adapters_and_refuses_one_that_does_not_fit_before_starting(checkpoint_dir, tmp_path, capsys):
+    from cluster.cli import up_config
+    from tools.cli import build_parser, main
+
+    checkpoint = checkpoint_dir("LLaDAModelLM")
+    write_adapter(tmp_path / "good", {"model.transformer.blocks.0.q_proj.weight": (64, 64)})
+    write_adapter(tmp_path / "bad", {"model.transformer.blocks.1.up_proj.weight": (64, 32)})
+    argv = ["up", "--model", str(checkpoint), "--lora", f"good={tmp_path / 'good'}", "--lora", f"bad={tmp_path / 'bad'}"]
+    config = up_config(build_parser().parse_args(argv))
+    assert config.replica.adapters == {"good": str(tmp_path / "good"), "bad": str(tmp_path / "bad")}
+    assert config.replica.lora is None
+    merged = up_config(build_parser().parse_args(["up", "--lora", str(tmp_path / "good")])).replica
+    assert (merged.lora, merged.adapters) == (str(tmp_path / "good"), {})
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "adapter 'bad'" in err and "model.transformer.blocks.1.up_proj is [128, 64] in the model" in err
+    assert "Traceback" not in err
+    with pytest.raises(SystemExit, match="serve several unmerged as --lora NAME=DIR"):
+        up_config(build_parser().parse_args(["up", "--lora", "/a", "--lora", "/b"]))
+
+
+def test_the_prefix_cache_keeps_each_adapters_kv_apart(checkpoint_dir, tmp_path):
+    checkpoint = checkpoint_dir("SDARForCausalLM")
+    weights = checkpoint_weights(checkpoint)
+    write_adapter(tmp_path / "a", {name: weights[name].shape for name in weights if name.endswith("proj.weight")})
+    engine = Engine.from_pretrained(str(checkpoint), EngineConfig(
+        model_overrides=OVERRIDES["SDARForCausalLM"], max_batch=2, adapters={"a": str(tmp_path / "a")}))
+    prompt = list(range(10, 30))  # 5 pages of 4
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    totals = engine.pool.cache.totals
+    hits = []
+    for i, adapter in enumerate([None, "a", "a", None]):
+        run(engine, [GenerateRequest(f"r{i}", prompt, params, adapter=adapter)])
+        hits.append(totals.pages_hit)
+    assert hits == [0, 0, 5, 10]  # each model's second request finds its own pages only
