@@ -503,13 +503,15 @@ class Engine:
         self.totals = EngineTotals()
 
     # ---- offline convenience ---------------------------------------------------------
-    def generate(self, prompts: Sequence[str | Sequence[int]],
+    def generate(self, prompts: Sequence[str | Sequence[int] | GenerateRequest],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_step: Callable[[StepStats], None] | None = None) -> list[GenerateChunk]:
         """Run ``prompts`` to completion as one closed batch; one chunk per prompt, its whole
-        answer, in order. ``on_step`` sees every step's statistics."""
+        answer, in order (an engine request runs with its own parameters and adapter).
+        ``on_step`` sees every step's statistics."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        params = [prompt.params if isinstance(prompt, GenerateRequest) else p for prompt, p in zip(prompts, params)]
         texts = [prompt for prompt in prompts if isinstance(prompt, str)]
         encoded = iter(self.encode(texts) if texts else ())
         prompts = [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]

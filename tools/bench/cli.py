@@ -1,5 +1,5 @@
 """The engine's benchmarks and the tiny model's evaluation on the command line: `dllm-serve
-bench engine | policies | quality | canvas | forward | prefix | structured` and `dllm-serve eval-tiny`.
+bench engine | policies | quality | canvas | forward | prefix | structured | adapters` and `dllm-serve eval-tiny`.
 Their modules (torch, the engine) are imported when a command runs, not to build its parser."""
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ def cmd_bench(args) -> int:
 
         result = bench_structured(args.vocab, tuple(args.batch_sizes), args.rounds, args.requests, hidden=args.hidden,
                                   layers=args.layers)
+    elif args.target == "adapters":
+        from tools.bench.adapters import bench_adapters
+
+        result = bench_adapters(tuple(args.batch_sizes), args.rank, args.adapters, args.prompt_len, args.max_tokens,
+                                args.steps, args.rounds, d_model=args.d_model, layers=args.layers,
+                                heads=max(1, args.d_model // 64), mlp=int(args.d_model * 2.75), vocab=args.vocab)
     elif args.target == "canvas":
         from tools.bench.canvas import bench_canvas
 
@@ -197,6 +203,22 @@ def add_engine_benches(targets) -> None:
     canvas.add_argument("--layers", type=int, default=16, help="transformer layers (default 16)")
     canvas.add_argument("--json", action="store_true", help="one JSON object on one line")
     canvas.set_defaults(func=cmd_bench)
+
+    adapters = targets.add_parser(
+        "adapters", help="step time with unmerged LoRA adapters (base rows, one adapter, several) vs none",
+        description="Random LLaDA weights and random rank-r adapters on all seven projections of every layer; "
+                    "the same closed batch runs without adapters, on an engine serving adapters with every row "
+                    "the base model's, every row one adapter, and the rows spread over several; each figure is "
+                    "the median step time over the plain engine's, rounds alternating.")
+    _add_workload_options(adapters, batch_sizes=[1, 16], steps=8, rounds=3,
+                          rounds_help="rounds of the four ways in alternating order; ratios are medians")
+    adapters.add_argument("--d-model", type=int, default=512, help="hidden size (default 512)")
+    adapters.add_argument("--layers", type=int, default=8, help="transformer layers (default 8)")
+    adapters.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
+    adapters.add_argument("--rank", type=int, default=16, help="the adapters' rank (default 16)")
+    adapters.add_argument("--adapters", type=int, default=4, help="adapters the mixed batch spreads over (default 4)")
+    adapters.add_argument("--json", action="store_true", help="one JSON object on one line")
+    adapters.set_defaults(func=cmd_bench)
 
     tp = targets.add_parser(
         "tp", help="an engine step at tensor-parallel sizes 1 and 2 (gloo CPU ranks): compute, collectives, host",

@@ -66,13 +66,7 @@ def test_rows_of_two_adapters_and_the_base_give_the_logits_of_pefts_merged_model
 
 def run(engine, requests):
     """Each request's answer ids, all run in one closed batch."""
-    sinks = {request.request_id: [] for request in requests}
-    for request in requests:
-        engine.add_request(request, on_output=sinks[request.request_id].append, whole=True)
-    with torch.inference_mode():
-        while engine.has_work():
-            engine.step()
-    return [sinks[request.request_id][-1].token_ids for request in requests]
+    return [chunk.token_ids for chunk in engine.generate(requests)]
 
 
 @pytest.mark.parametrize("arch, canvas", [("LLaDAModelLM", "full"), ("SDARForCausalLM", None)])
