@@ -1,6 +1,6 @@
 """Denoise algorithms: how one step picks tokens. Importing the package registers all rules."""
 
-from . import dream, fast_dllm_factor, fast_dllm_threshold, fixed_steps, joint_threshold, low_confidence
+from . import d2f, dream, fast_dllm_factor, fast_dllm_threshold, fixed_steps, joint_threshold, low_confidence
 from .base import (
     AlgorithmError,
     AlgorithmParams,
@@ -19,6 +19,7 @@ __all__ = [
     "available_algorithms",
     "get_algorithm",
     "register",
+    "d2f",
     "dream",
     "fast_dllm_factor",
     "fast_dllm_threshold",

@@ -120,6 +120,9 @@ class DllmAlgorithm(ABC):
     params_class: ClassVar[type[AlgorithmParams]] = AlgorithmParams
     final_when_filled: ClassVar[bool] = True  # see the module docstring; False for rules that edit
     fills_every_step: ClassVar[bool] = True  # see the module docstring
+    # several blocks of a request decode at once (``d2f``: it says when a block joins and when
+    # one is complete, ``adds_block`` and ``completes_next``); the engine commits them in order
+    pipelined: ClassVar[bool] = False
 
     def make_params(self, overrides: Mapping[str, Any] | None = None) -> AlgorithmParams:
         """Published defaults with per-request ``overrides``; rejects unknown keys and bad values."""

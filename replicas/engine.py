@@ -139,7 +139,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerMode(config.mode), self.pool, self.rows, self.outputs, config.max_batch,
                                    shape.token_budget, size, spec.mask_token_id, fill_timeout=self._fill_timeout,
                                    fdfo_hold=self.cost_model.fdfo_hold if config.fdfo_fill_hold else (lambda rows: 0.0),
-                                   clock=clock, full_canvas=shape.canvas == "full")
+                                   clock=clock, full_canvas=shape.canvas == "full", whole_prompt=spec.whole_prompt)
         self.totals = EngineTotals()
         self._requests: dict[str, Request] = {}
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, arrival order, request id)
@@ -221,6 +221,8 @@ class Engine:
         algorithm, algorithm_params = self.algorithm_for(params)
         if params.regex is not None and params.ignore_eos:
             raise RequestError(IGNORE_EOS_UNSTRUCTURED)
+        if algorithm.pipelined:
+            self._check_pipelined(algorithm, params)
         constraint, constraint_state = (None, 0) if params.regex is None else self.grammars.begin(
             params.regex, params.max_tokens, params.resume_ids)
         adapter = self._adapter(request.adapter)
@@ -244,6 +246,15 @@ class Engine:
             constraint_state=constraint_state,
             adapter=adapter,
         )
+
+    def _check_pipelined(self, algorithm: DllmAlgorithm, params: SamplingParams) -> None:
+        """Raise RequestError where pipelined decoding (several blocks of a row at once) cannot run."""
+        if self.spec.bidirectional or self.shape.canvas == "full" or self.shape.aligned:
+            raise RequestError(f"algorithm {algorithm.name} decodes several blocks at once: it needs a block-causal "
+                               "model on the block canvas with page-aligned blocks (D2F's LLaDA: model override "
+                               "attention block_causal_whole_prompt)")
+        if params.regex is not None or params.logprobs is not None:
+            raise RequestError(f"algorithm {algorithm.name} does not take a structured output or logprobs yet")
 
     def _adapter(self, name: str | None) -> Adapter | None:
         """The loaded adapter ``name`` (None: the base model); RequestError for one not served."""

@@ -94,7 +94,8 @@ class EngineConfig(BaseModel):
     model_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="per-model defaults to override: block_length, mask_token_id, eos_token_id, stop_token_ids, "
-                    "attention (block_causal|bidirectional), default_algorithm, default_algorithm_params")
+                    "attention (block_causal|bidirectional|block_causal_whole_prompt: D2F's, the prompt one block), "
+                    "default_algorithm, default_algorithm_params")
     fill_timeout_s: float | None = Field(
         None, ge=0, description="fixed_fill mode: batch fill timeout in seconds (default: tuned online)")
     prefix_cache: bool = Field(
@@ -156,7 +157,7 @@ class ServingShape:
                              "with canvas 'full' use block_alignment 'page'")
         # a page's KV depends on the pages before it alone: no row is ever refreshed (replicas.runner)
         prefix_cache = (config.prefix_cache and config.kv_cache == "prefix" and not spec.bidirectional
-                        and not spec.shift_logits)
+                        and not spec.shift_logits and not spec.whole_prompt)
         num_pages = pool.num_pages if pool is not None else config.num_pages or config.max_batch * pages + 1
         return cls(size, max_model_len, pages, num_pages, budget, canvas,
                    aligned, max_request_cost(max_model_len, size), prefix_cache)

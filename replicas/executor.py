@@ -158,5 +158,6 @@ class StepExecutor:
                                   [r.algorithm_state for r in requests])
         except Exception as exc:
             log.exception("algorithm %s failed", algorithm.name)
-            failed.extend((request, f"algorithm {algorithm.name} failed: {exc}") for request in requests)
+            failed.extend((owner, f"algorithm {algorithm.name} failed: {exc}")
+                          for owner in dict.fromkeys(request.owner for request in requests))  # once, ahead blocks too
             return AlgorithmStep(torch.zeros(len(requests), dtype=torch.bool, device=blocks.device))

@@ -71,6 +71,8 @@ class Request:
     constraint: TokenAutomaton | None = None
     constraint_state: int = 0
     adapter: Any = None  # its unmerged LoRA adapter (``replicas.adapters.Adapter``); None: the base model
+    # pipelined decoding (``DllmAlgorithm.pipelined``): the blocks decoded after the active one, in order
+    ahead: list[AheadBlock] = field(default_factory=list)
 
     # the request's layout, derived at construction from the fields that never change (on
     # the submitting thread, so that admission inside the engine's step only reads it)
@@ -124,6 +126,11 @@ class Request:
             self.blocks_to_denoise = self.max_blocks - self.resumed_blocks
 
     @property
+    def owner(self) -> Request:
+        """The request a stepped block belongs to: itself (its active block's; see ``AheadBlock``)."""
+        return self
+
+    @property
     def cache_tree(self) -> str | None:
         """Whose prefix-cache KV it reads and writes: its adapter's, or the base model's (None)."""
         return None if self.adapter is None else self.adapter.name
@@ -151,3 +158,31 @@ class Request:
     def emit(self, output: GenerateChunk) -> None:
         if self.on_output is not None:
             self.on_output(output)
+
+
+@dataclass(eq=False, slots=True)
+class AheadBlock:
+    """A block decoded after its request's active one (pipelined decoding): it is stepped
+    with the active block and keeps its own algorithm state; it becomes the active block
+    when the one before it commits (``Scheduler._start_block``), and commits only then."""
+
+    owner: Request
+    page_index: int
+    algorithm_state: Any
+    steps: int = 0  # forwards it was stepped in
+
+    @property
+    def algorithm(self) -> DllmAlgorithm:
+        return self.owner.algorithm
+
+    @property
+    def algorithm_params(self) -> AlgorithmParams:
+        return self.owner.algorithm_params
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.owner.params
+
+    @property
+    def constraint(self) -> None:
+        return None  # structured output and pipelined decoding are not asked together (the engine refuses it)

@@ -98,6 +98,7 @@ class ModelRunner:
         self.bidirectional = spec.bidirectional
         self.shift_logits = spec.shift_logits
         self.contiguous_positions = spec.contiguous_positions
+        self.whole_prompt = spec.whole_prompt
         self.refresh_every_step = kv_cache_mode == "none"
         self.refreshes = refreshes_rows(spec, kv_cache_mode)
         self.backend = resolve_backend(attention_backend, device, kv_cache.k[0].dtype)
@@ -181,6 +182,8 @@ class ModelRunner:
             top = np.zeros(rows.num_rows, dtype=np.int64)
             np.maximum.at(top, unit_row, page_index)
             sees = top[unit_row]
+        elif self.whole_prompt:  # block-causal, the prompt's pages one block (written in one forward)
+            sees = np.maximum(page_index, prompt_pages - 1, where=page_index < prompt_pages, out=page_index.copy())
         else:
             sees = page_index
         span_start, span_length, span_row, keys_are_queries = unit_start, None, unit_row, False

@@ -33,11 +33,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from replicas import block_pipeline
 from replicas.batching import Phase, RowAction, SchedulerMode, batching_policy
 from replicas.kv_cache import PageAllocation, PagePool
 from replicas.prefix_cache import CachedRun
 from replicas.commits import BlockCommit, OutputProcessor
-from replicas.request import FinishReason, Request
+from replicas.request import AheadBlock, FinishReason, Request
 from replicas.rows import RowTable
 from replicas.step import ScheduledBatch, ScheduledStep, StepOutput
 
@@ -47,9 +48,10 @@ class Scheduler:
                  max_batch: int, max_tokens_per_step: int, block_length: int, mask_id: int,
                  fill_timeout: Callable[[], float] = lambda: 0.0,
                  fdfo_hold: Callable[[int], float] = lambda rows: 0.0,
-                 clock: Callable[[], float] = time.monotonic, full_canvas: bool = False):
+                 clock: Callable[[], float] = time.monotonic, full_canvas: bool = False, whole_prompt: bool = False):
         self.policy = batching_policy(mode)
         self.full_canvas = full_canvas
+        self.whole_prompt = whole_prompt  # the prompt's pages see each other: prefilled in one forward
         self.fill_timeout = fill_timeout  # seconds; read when a fixed_fill batch could start
         self.fdfo_hold = fdfo_hold  # seconds an under-filled fdfo step may wait, given its rows
         self.clock = clock
@@ -125,6 +127,12 @@ class Scheduler:
         logprobs, states = output.logprobs, output.algorithm_states
         for i, (request, ids, done, stale) in enumerate(zip(step.stepped, output.block_ids, output.done,
                                                             output.kv_stale)):
+            if isinstance(request, AheadBlock):  # commits once it is the active block (``_start_block``)
+                if request.owner.finish_reason is None:
+                    request.steps += 1
+                    if states is not None:
+                        request.algorithm_state = states[i]
+                continue
             if request.phase is not Phase.DENOISE or request.finish_reason is not None:
                 continue
             request.steps_in_block += 1
@@ -272,6 +280,11 @@ class Scheduler:
                    for other in self.running)
 
     def _start_block(self, request: Request) -> None:
+        if request.ahead:  # pipelined decoding: the block was decoded ahead, on its page already
+            ahead = request.ahead.pop(0)
+            request.algorithm_state, request.steps_in_block = ahead.algorithm_state, ahead.steps
+            request.phase = Phase.DENOISE
+            return
         if self.full_canvas:
             page = request.allocation.pages[request.active_page_index]  # laid out at admission
         else:
@@ -280,6 +293,25 @@ class Scheduler:
         request.algorithm_state = request.algorithm.init_state(request.algorithm_params, request.block_index)
         request.steps_in_block = 0
         request.phase = Phase.DENOISE
+
+    def _pipeline(self, request: Request, budget: int) -> int:
+        """Pipelined decoding, before the request's step: mark its blocks complete as the
+        blocks before them are decoded far enough, and start one more block after its last
+        where its rule says so (``block_pipeline.joins``) and ``budget`` has room for it.
+        Returns the tokens the new block takes from ``budget`` (0: none started)."""
+        states = block_pipeline.complete_flags(request, self.rows, self.mask_id)
+        if states is not None:
+            request.algorithm_state = states[0]
+            for ahead, state in zip(request.ahead, states[1:]):
+                ahead.algorithm_state = state
+        if budget < self.block_length or not block_pipeline.joins(request, self.rows, self.mask_id,
+                                                                   self.outputs.end_ids):
+            return 0
+        page_index = request.active_page_index + len(request.ahead) + 1
+        self._block_starts.append((request.row, page_index, self.pool.next_page(request.allocation), 0))
+        request.ahead.append(AheadBlock(request, page_index, block_pipeline.joining_state(request, self.rows,
+                                                                                          self.mask_id)))
+        return self.block_length
 
     def _write_block_starts(self) -> None:
         """Lay out the blocks this schedule started, in one write (before anything reads them)."""
@@ -291,7 +323,7 @@ class Scheduler:
         self.running.remove(request)
         self.pool.free(request.allocation)
         self.rows.release(request.row)
-        request.allocation, request.row = PageAllocation(), -1
+        request.allocation, request.row, request.ahead = PageAllocation(), -1, []
 
     # ---- the batch -------------------------------------------------------------------
     def _build_step(self) -> ScheduledStep:
@@ -304,7 +336,7 @@ class Scheduler:
         (sync, static) writes it with its idle unit instead of to the scratch page."""
         size = self.block_length
         budget = self.max_tokens_per_step - size * sum(
-            (r.phase is not Phase.PREFILL) + (r.phase is Phase.DENOISE and r.unwritten_page is not None)
+            (r.phase is not Phase.PREFILL) + (r.phase is Phase.DENOISE and r.unwritten_page is not None) + len(r.ahead)
             for r in self.running)
         unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch = [], [], [], [], []
         advances, steps_in_block = [], []
@@ -353,6 +385,15 @@ class Scheduler:
                 stepped.append(request)
                 stepped_rows.append(request.row)
                 stepped_pages.append(block_page)
+                if request.algorithm.pipelined:
+                    budget -= self._pipeline(request, budget)
+                for ahead in request.ahead:  # stepped with the active block, each a block unit after it
+                    add_unit(request, ahead.page_index, size, True)
+                    advances.append(True)
+                    steps_in_block.append(ahead.steps)
+                    stepped.append(ahead)
+                    stepped_rows.append(request.row)
+                    stepped_pages.append(ahead.page_index)
 
         # three arrays made, their rows viewed (each array made costs more than its values)
         units = np.array([unit_row, unit_page_index, unit_count, unit_is_block, unit_scratch], dtype=np.int64)
@@ -373,10 +414,13 @@ class Scheduler:
         )
         return ScheduledStep(batch, scheduled, stepped, written)
 
-    @staticmethod
-    def _prefill_end(request: Request, budget: int) -> int:
-        """The page index the prefill reaches this step: whole pages, as many as fit ``budget``."""
+    def _prefill_end(self, request: Request, budget: int) -> int:
+        """The page index the prefill reaches this step: whole pages, as many as fit ``budget``;
+        where the prompt is one block (``whole_prompt``), all its pages at once, whatever the budget."""
         tokens, end = request.prefix_page_tokens, request.prefilled_pages
+        if self.whole_prompt and end < request.prompt_pages:
+            budget -= sum(tokens[end:request.prompt_pages])
+            end = request.prompt_pages
         while end < len(tokens) and tokens[end] <= budget:
             budget -= tokens[end]
             end += 1

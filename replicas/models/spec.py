@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-ATTENTION_KINDS = ("block_causal", "bidirectional")
+ATTENTION_KINDS = ("block_causal", "bidirectional", "block_causal_whole_prompt")
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,9 @@ class ModelSpec:
     head_dim: int
     max_positions: int
     # "block_causal": a block sees earlier blocks and itself (exact KV cache);
-    # "bidirectional": every token sees the whole sequence (LLaDA, Dream)
+    # "bidirectional": every token sees the whole sequence (LLaDA, Dream);
+    # "block_causal_whole_prompt": block-causal, the prompt one block whose tokens see each
+    # other both ways (D2F's LLaDA: its prompt is computed in one forward, never from a cache)
     attention: str = "block_causal"
     shift_logits: bool = False  # the logit of position i is the output at i - 1 (Dream)
     # "full": every block's masks are in the sequence from the start (bidirectional models'
@@ -40,6 +42,11 @@ class ModelSpec:
     @property
     def bidirectional(self) -> bool:
         return self.attention == "bidirectional"
+
+    @property
+    def whole_prompt(self) -> bool:
+        """The prompt is one block: every prompt token sees the whole prompt."""
+        return self.attention == "block_causal_whole_prompt"
 
     @property
     def end_token_ids(self) -> frozenset[int]:

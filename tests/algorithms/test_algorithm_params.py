@@ -24,6 +24,8 @@ DEFAULTS = {
                     "temperature": 0.0},
     "dream": {"steps": 32, "alg": "entropy", "alg_temp": 0.0, "eps": 1e-3, "temperature": 0.0, "top_k": 0,
               "top_p": 1.0},
+    "d2f": {"block_add_threshold": 0.5, "decoded_token_threshold": 0.95, "skip_threshold": 0.9, "temperature": 0.0,
+            "top_k": 0, "top_p": 1.0},
 }
 
 
@@ -78,6 +80,8 @@ BAD_VALUES = [
     ("joint_threshold", "max_post_edit_steps", 1.0),
     ("joint_threshold", "penalty_lambda", -0.5),
     ("fast_dllm_threshold", "threshold", 1.01),
+    ("d2f", "skip_threshold", 1.5),
+    ("d2f", "block_add_threshold", -0.1),
     ("fast_dllm_factor", "factor", 0.0),
     ("fast_dllm_factor", "factor", -1.0),
     ("fixed_steps", "steps", 0),

@@ -46,6 +46,9 @@ RULE_PARAMS = {
         "alg_temp": st.sampled_from([0.0, 0.0, 0.5]),
         **FILTERS,
     },
+    # the front block of a pipelined request (complete: it fills one position a step at least)
+    "d2f": {"skip_threshold": THRESHOLD, "block_add_threshold": THRESHOLD, "decoded_token_threshold": THRESHOLD,
+            **FILTERS},
 }
 
 

@@ -23,7 +23,9 @@ def test_start_ups_survivors_are_out_of_reach_and_later_objects_are_still_collec
     survivor = Node()
     survivor_ref = weakref.ref(survivor)
     frozen = settle_after_start_up()
-    assert frozen > 0 and gc.get_freeze_count() == frozen
+    # (not equal: a thread an earlier test in this worker left running may free a frozen object
+    # by its reference count meanwhile; a full run saw 619,139 frozen, then 619,137)
+    assert frozen > 0 and frozen - frozen // 100 <= gc.get_freeze_count() <= frozen
     assert not any(o is survivor for o in gc.get_objects())  # no collection traverses it
     del survivor
     gc.collect()

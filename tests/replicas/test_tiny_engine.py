@@ -19,6 +19,7 @@ ALGORITHM_CASES = {
     "fast_dllm_factor": {},
     "fixed_steps": {"steps": 4},
     "dream": {"steps": 8, "alg": "topk_margin"},
+    "d2f": {"block_add_threshold": 0.25, "decoded_token_threshold": 0.5, "skip_threshold": 0.6},
     "low_confidence (sampled)": {"temperature": 0.8, "top_p": 0.9, "seed": 11},
     "fixed_steps (sampled)": {"steps": 4, "temperature": 0.7, "seed": 5},
 }
@@ -54,7 +55,10 @@ def test_modes_are_byte_identical_at_batch_1(tiny, case):
     steps = {label: sum(o.steps for o in outputs[label]) for label in ("fdfo", "fdfo, separate KV write")}
     blocks = sum(len(o.block_steps) for o in outputs["fdfo"])
     saved = blocks if get_algorithm(name).final_when_filled else 0
-    assert steps["fdfo, separate KV write"] - steps["fdfo"] == saved
+    if get_algorithm(name).pipelined:  # the blocks decoded ahead go on during the write: at most one a block
+        assert 0 < steps["fdfo, separate KV write"] - steps["fdfo"] <= saved
+    else:
+        assert steps["fdfo, separate KV write"] - steps["fdfo"] == saved
 
 
 def test_generate_tokenizes_its_texts_in_one_call_as_each_alone(tiny):
