@@ -42,6 +42,7 @@ from cluster.tool_calls import ToolChoice, tool_choice
 from replicas.grammar import IGNORE_EOS_UNSTRUCTURED, ConstraintError, Grammars, TokenAutomaton
 from replicas.request_cost import aligned_head, blocks_needed, prompt_pages, room_for_output
 from replicas.messages import INFILL_NEEDS, GenerateRequest, SamplingParams, request_problem
+from replicas import block_pipeline
 from replicas.prefix_cache import page_hashes
 from replicas.engine_config import ServingShape, resolve_algorithm
 
@@ -327,6 +328,11 @@ class Preprocess:
         if constraint is not None:
             constraint.check_room(max_tokens)
         algorithm, algorithm_params, made = self._algorithm(body)
+        if algorithm.pipelined:
+            problem = block_pipeline.refusal(algorithm.name, self.spec, self.shape, constraint is not None,
+                                             body.logprobs_asked is not None)
+            if problem:
+                raise bad_request(problem, param="algorithm")
         worst = algorithm.worst_case_steps(made, block, self.config.replica.fused_commit)
         # aligned blocks: the first answer block also holds the prompt's end
         head = aligned_head(len(prompt_ids), block, self.shape.aligned)

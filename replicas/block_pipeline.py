@@ -68,3 +68,15 @@ def joining_state(request: Request, rows: RowTable, mask_id: int) -> Any:
     complete = request.algorithm.completes_next(request.algorithm_params,
                                                 _decoded(rows, request.row, _pages(request)[-1], mask_id))
     return dataclasses.replace(state, complete=complete)
+
+
+def refusal(algorithm: str, spec, shape, structured: bool, logprobs: bool) -> str | None:
+    """Why pipelined decoding (``algorithm``'s) cannot serve a request to ``spec``'s model on
+    ``shape`` (a ``ServingShape``), with a structure or log-probabilities asked; None: it can."""
+    if spec.bidirectional or shape.canvas == "full" or shape.aligned:
+        return (f"algorithm {algorithm} decodes several blocks at once: it needs a block-causal model on the "
+                "block canvas with page-aligned blocks (D2F's LLaDA: model override attention "
+                "block_causal_whole_prompt)")
+    if structured or logprobs:
+        return f"algorithm {algorithm} does not take a structured output or logprobs yet"
+    return None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algorithm
+from replicas import block_pipeline
 from replicas.adapters import Adapter, ResidentAdapters, enable_adapters
 from replicas.grammar import IGNORE_EOS_UNSTRUCTURED, Grammars
 from replicas.cost_model import OnlineCostModel
@@ -222,7 +223,10 @@ class Engine:
         if params.regex is not None and params.ignore_eos:
             raise RequestError(IGNORE_EOS_UNSTRUCTURED)
         if algorithm.pipelined:
-            self._check_pipelined(algorithm, params)
+            problem = block_pipeline.refusal(algorithm.name, self.spec, self.shape, params.regex is not None,
+                                             params.logprobs is not None)
+            if problem:
+                raise RequestError(problem)
         constraint, constraint_state = (None, 0) if params.regex is None else self.grammars.begin(
             params.regex, params.max_tokens, params.resume_ids)
         adapter = self._adapter(request.adapter)
@@ -246,15 +250,6 @@ class Engine:
             constraint_state=constraint_state,
             adapter=adapter,
         )
-
-    def _check_pipelined(self, algorithm: DllmAlgorithm, params: SamplingParams) -> None:
-        """Raise RequestError where pipelined decoding (several blocks of a row at once) cannot run."""
-        if self.spec.bidirectional or self.shape.canvas == "full" or self.shape.aligned:
-            raise RequestError(f"algorithm {algorithm.name} decodes several blocks at once: it needs a block-causal "
-                               "model on the block canvas with page-aligned blocks (D2F's LLaDA: model override "
-                               "attention block_causal_whole_prompt)")
-        if params.regex is not None or params.logprobs is not None:
-            raise RequestError(f"algorithm {algorithm.name} does not take a structured output or logprobs yet")
 
     def _adapter(self, name: str | None) -> Adapter | None:
         """The loaded adapter ``name`` (None: the base model); RequestError for one not served."""

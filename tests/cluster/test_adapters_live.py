@@ -60,3 +60,6 @@ def test_each_request_is_answered_by_its_adapters_weights(served):
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "model_not_found" and "'alpha', 'beta'" in unknown.json()["error"]["message"]
     assert httpx.get(running.base_url + "/v1/models/beta", timeout=30).json()["parent"] == base
+    d2f = httpx.post(running.base_url + "/v1/completions", timeout=30, json={
+        "model": "alpha", "prompt": "hi", "algorithm": "d2f"})  # this LLaDA is bidirectional: no blocks ahead
+    assert d2f.status_code == 400 and d2f.json()["error"]["param"] == "algorithm"

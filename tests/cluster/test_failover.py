@@ -207,3 +207,17 @@ def test_a_request_for_an_adapter_resumes_with_its_adapter(tmp_path):
         assert ids == alone.token_ids != unadapted.token_ids
     finally:
         replica.__del__()
+
+
+def test_a_pipelined_request_resumes_after_its_committed_blocks(replica):
+    """D2F decodes blocks ahead of the one it commits: a broken stream resumes after the
+    committed blocks only (the blocks decoded ahead are decoded again)."""
+    params = SamplingParams(96, ignore_eos=True, algorithm="d2f", algorithm_params={
+        "block_add_threshold": 0.25, "decoded_token_threshold": 0.5, "skip_threshold": 0.6})
+    job = GenerateRequest("r1", replica.engine.encode("12.4..7.9"), params)
+    whole = [t for c in collect(Failover(replica.generate, 1, 0.0, 16), job) for t in c.token_ids]
+    generate, attempts = breaking(replica, [2])
+    stitched = collect(Failover(generate, 2, 0.0, 16), job)
+    ids = [t for c in stitched for t in c.token_ids]
+    assert len(ids) == 96 and stitched[-1].finished and stitched[-1].finish_reason == "length"
+    assert ids[:32] == whole[:32] and attempts[1].params.resume_ids == tuple(whole[:32])

@@ -6,13 +6,14 @@ adapter served unmerged (and merged) and the model block-causal with the prompt 
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from checkpoint_builders import OVERRIDES, weights_sha256, write_checkpoint
 from replicas.engine import Engine, EngineConfig
-from replicas.messages import GenerateRequest, SamplingParams
+from replicas.messages import GenerateRequest, RequestError, SamplingParams
 
 PARITY_DIR = Path(__file__).parent / "parity"
 D2F = json.loads((PARITY_DIR / "d2f_fixtures.json").read_text())
@@ -68,3 +69,28 @@ def test_a_batch_of_d2f_requests_merged_or_not_answers_as_each_alone(d2f_model):
     outputs = merged.generate([d2f_request(FIXTURES[f], request_id=f) for f in batch])
     assert [o.token_ids[:len(expected(FIXTURES[f]))] for o, f in zip(outputs, batch)] == [
         expected(FIXTURES[f]) for f in batch]
+
+
+def test_only_committed_blocks_stream_in_order(d2f_model):
+    """Blocks decoded ahead are never sent: one chunk a block, in order, joined the whole answer."""
+    path, adapter = d2f_model
+    fixture = FIXTURES["d2f_g32_b8_add01_dec05_skip003"]  # up to 4 blocks at once
+    engine = d2f_engine(path, 8, adapters={"d2f": str(adapter)})
+    chunks = []
+    engine.add_request(d2f_request(fixture, "d2f"), on_output=chunks.append)
+    while engine.has_work():
+        engine.step()
+    assert [len(chunk.token_ids) for chunk in chunks] == [8, 8, 8, 8]
+    assert [t for chunk in chunks for t in chunk.token_ids] == expected(fixture)
+    assert chunks[-1].finished and not any(chunk.finished for chunk in chunks[:-1])
+
+
+def test_pipelined_decoding_is_refused_where_it_cannot_run(d2f_model):
+    path, adapter = d2f_model
+    request = d2f_request(FIXTURES["d2f_g16_b4_add05_dec09_skip003"])
+    bidirectional = Engine.from_pretrained(str(path), EngineConfig(max_batch=1, model_overrides=OVERRIDES["LLaDAModelLM"]))
+    with pytest.raises(RequestError, match="needs a block-causal model on the block canvas"):
+        bidirectional.make_request(request)
+    structured = replace(request, params=replace(request.params, regex="[0-9]+", ignore_eos=False))
+    with pytest.raises(RequestError, match="does not take a structured output or logprobs"):
+        d2f_engine(path, 4).make_request(structured)
