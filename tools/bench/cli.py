@@ -1,5 +1,5 @@
 """The engine's benchmarks and the tiny model's evaluation on the command line: `dllm-serve
-bench engine | policies | quality | canvas | forward | prefix | structured | adapters` and `dllm-serve eval-tiny`.
+bench engine | policies | quality | canvas | forward | prefix | structured | adapters | d2f` and `dllm-serve eval-tiny`.
 Their modules (torch, the engine) are imported when a command runs, not to build its parser."""
 
 from __future__ import annotations
@@ -95,6 +95,13 @@ def cmd_bench(args) -> int:
 
         result = bench_structured(args.vocab, tuple(args.batch_sizes), args.rounds, args.requests, hidden=args.hidden,
                                   layers=args.layers)
+    elif args.target == "d2f":
+        from tools.bench.d2f import bench_d2f
+
+        thresholds = {"block_add_threshold": args.block_add_threshold,
+                      "decoded_token_threshold": args.decoded_token_threshold, "skip_threshold": args.skip_threshold}
+        result = bench_d2f(tuple(args.batch_sizes), args.rounds, args.requests, thresholds, tuple(args.checkpoints),
+                           args.d_model, args.layers, max_tokens=args.max_tokens)
     elif args.target == "adapters":
         from tools.bench.adapters import bench_adapters
 
@@ -203,6 +210,24 @@ def add_engine_benches(targets) -> None:
     canvas.add_argument("--layers", type=int, default=16, help="transformer layers (default 16)")
     canvas.add_argument("--json", action="store_true", help="one JSON object on one line")
     canvas.set_defaults(func=cmd_bench)
+
+    d2f = targets.add_parser(
+        "d2f", help="D2F pipelined decoding vs plain block decoding: forwards, tokens per forward, tokens/s",
+        description="The d2f rule with blocks joining early (the thresholds given) against the same rule one "
+                    "block at a time (block_add_threshold 1), on the trained tiny model (with its accuracy) and a "
+                    "random LLaDA served as D2F's (block-causal, the prompt one block); medians of alternating rounds.")
+    d2f.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="(default: 1 16)")
+    d2f.add_argument("--requests", type=int, default=32, help="requests per batch (default 32)")
+    d2f.add_argument("--rounds", type=int, default=3, help="rounds of both settings, alternating (default 3)")
+    d2f.add_argument("--checkpoints", nargs="+", choices=["tiny", "random"], default=["tiny", "random"])
+    d2f.add_argument("--block-add-threshold", type=float, default=0.1, help="(default 0.1, the published math setting)")
+    d2f.add_argument("--decoded-token-threshold", type=float, default=0.5, help="(default 0.5)")
+    d2f.add_argument("--skip-threshold", type=float, default=0.9, help="(default 0.9, the published evaluation's)")
+    d2f.add_argument("--d-model", type=int, default=512, help="random LLaDA's hidden size (default 512)")
+    d2f.add_argument("--layers", type=int, default=8, help="random LLaDA's layers (default 8)")
+    d2f.add_argument("--max-tokens", type=int, default=128, help="random LLaDA's answer tokens (default 128)")
+    d2f.add_argument("--json", action="store_true", help="one JSON object on one line")
+    d2f.set_defaults(func=cmd_bench)
 
     adapters = targets.add_parser(
         "adapters", help="step time with unmerged LoRA adapters (base rows, one adapter, several) vs none",
