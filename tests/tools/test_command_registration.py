@@ -15,7 +15,7 @@ REGISTERED = {  # package -> (its commands, its bench targets)
     cluster_commands: ({"generate", "up", "status", "render"}, set()),
     tool_commands: ({"train-tiny", "eval-tiny", "calibrate", "simulate"},
                     {"engine", "policies", "quality", "canvas", "forward", "prefix", "detokenize", "calibration", "tp",
-                     "structured"}),
+                     "structured", "adapters", "d2f"}),
     loadgen_commands: ({"loadgen"}, {"overload", "soak"}),
 }
 CLIENT = ({"loadgen", "calibrate", "simulate"}, {"overload", "calibration", "soak"})

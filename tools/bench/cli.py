@@ -219,7 +219,8 @@ def add_engine_benches(targets) -> None:
     d2f.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="(default: 1 16)")
     d2f.add_argument("--requests", type=int, default=32, help="requests per batch (default 32)")
     d2f.add_argument("--rounds", type=int, default=3, help="rounds of both settings, alternating (default 3)")
-    d2f.add_argument("--checkpoints", nargs="+", choices=["tiny", "random"], default=["tiny", "random"])
+    d2f.add_argument("--checkpoints", nargs="+", choices=["tiny", "random"], default=["tiny", "random"],
+                     help="the trained tiny model, a random LLaDA or both (default both)")
     d2f.add_argument("--block-add-threshold", type=float, default=0.1, help="(default 0.1, the published math setting)")
     d2f.add_argument("--decoded-token-threshold", type=float, default=0.5, help="(default 0.5)")
     d2f.add_argument("--skip-threshold", type=float, default=0.9, help="(default 0.9, the published evaluation's)")
