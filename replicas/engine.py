@@ -380,7 +380,7 @@ class Engine:
         block_steps = tuple(request.committed_block_steps[-1] for request, _ in commits)
         stats = StepStats(
             batch_size=batch.num_rows,
-            active_rows=len(step.stepped),
+            active_rows=sum(entry.owner is entry for entry in step.stepped),  # rows, not the blocks decoded ahead
             num_tokens=batch.num_tokens,
             forward_s=output.forward_s,
             step_s=time.perf_counter() - start,
