@@ -124,6 +124,8 @@ def enable_adapters(net: nn.Module) -> AdapterBank:
     if layers is None:
         raise ValueError(f"{type(net).__name__} takes no unmerged adapters: they are served on the decoder "
                          "stack of LLaDA, Dream, SDAR and LLaDA2.0")
+    if any(layer.adapters is not None for layer in layers):
+        raise ValueError("this model serves adapters for another engine already: load it again for this one")
     linears: dict[str, nn.Linear] = {}
     for index, layer in enumerate(layers):
         parts = [("self_attn", layer.self_attn)] + ([("mlp", layer.mlp)] if isinstance(layer.mlp, SwiGLU) else [])

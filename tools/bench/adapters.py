@@ -58,7 +58,7 @@ def _median_step_s(engine: Engine, requests: list[GenerateRequest]) -> float:
 
 def bench_adapters(batch_sizes=(1, 16), rank: int = 16, adapters: int = 4, prompt_len: int = 64,
                    max_tokens: int = 128, steps: int = 8, rounds: int = 3, **shape) -> dict:
-    plain_net, adapted_net = random_llada(**shape), random_llada(**shape)
+    plain_net = random_llada(**shape)
     settings = dict(fdfo_fill_hold=False, max_model_len=prompt_len + max_tokens + 64, algorithm="fixed_steps",
                     algorithm_params={"steps": steps})
     report = {"parameters": sum(p.numel() for p in plain_net.parameters()), "rank": rank, "adapters": adapters,
@@ -67,8 +67,9 @@ def bench_adapters(batch_sizes=(1, 16), rank: int = 16, adapters: int = 4, promp
     with tempfile.TemporaryDirectory() as folder:
         paths = {f"a{i}": Path(folder) / f"a{i}" for i in range(adapters)}
         for seed, path in enumerate(paths.values()):
-            write_random_adapter(path, adapted_net, rank, seed)
+            write_random_adapter(path, plain_net, rank, seed)
         for batch in batch_sizes:
+            adapted_net = random_llada(**shape)  # the same weights; an engine serving adapters adapts its model
             engines = {"plain": Engine(plain_net, IdsOnly(), EngineConfig(max_batch=batch, **settings))}
             engines |= dict.fromkeys(WAYS[1:], Engine(adapted_net, IdsOnly(), EngineConfig(
                 max_batch=batch, adapters={name: str(path) for name, path in paths.items()}, max_adapters=adapters,

@@ -16,7 +16,7 @@ def test_blocks_decoded_together_take_fewer_forwards_than_one_block_at_a_time(ca
 
 
 def test_the_adapters_bench_compares_each_way_with_the_plain_engine(capsys):
-    report = bench_adapters(batch_sizes=(2,), rank=4, adapters=2, prompt_len=8, max_tokens=16, steps=4, rounds=1,
+    report = bench_adapters(batch_sizes=(1, 2), rank=4, adapters=2, prompt_len=8, max_tokens=16, steps=4, rounds=1,
                             d_model=64, layers=1, heads=1, mlp=128, vocab=300)
     entry = report["batch_2"]
     assert set(entry["rounds"]) == {"plain", "base_rows", "one_adapter", "mixed"}
