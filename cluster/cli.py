@@ -46,7 +46,7 @@ def _setting_flags(parser: argparse.ArgumentParser, settings: type[BaseModel], d
     for name, field in settings.model_fields.items():
         if name == "lora":
             parser.add_argument("--lora", dest=dest_prefix + name, action="append", metavar="[NAME=]DIR",
-                                default=argparse.SUPPRESS, help=_LORA_HELP)
+                                default=argparse.SUPPRESS, help=(field.description + _LORA_NAMED_HELP).replace("%", "%%"))
             continue
         kind = field.annotation
         if get_origin(kind) in (Union, types.UnionType):
@@ -75,9 +75,8 @@ def _setting_flags(parser: argparse.ArgumentParser, settings: type[BaseModel], d
         parser.add_argument("--" + name.replace("_", "-"), help=help_text.replace("%", "%%"), **options)
 
 
-_LORA_HELP = ("a PEFT LoRA adapter directory: DIR alone is merged into the weights at load (one adapter, no "
-              "cost a step); NAME=DIR serves it unmerged under the model name NAME beside the base model "
-              "(repeatable: several adapters, the rows of each in the same steps; sets adapters)")
+_LORA_NAMED_HELP = ("; NAME=DIR instead serves the adapter unmerged under the model name NAME beside the base "
+                    "model (repeatable: several adapters, the rows of each in the same steps; sets adapters)")
 
 
 def _given(args, dest_prefix: str) -> dict:
@@ -188,17 +187,27 @@ _EXAMPLE_PROMPT = "1.3. ..2. 4... .1.4 " + " ".join(["----"] * 24)
 
 
 def _check_model_default_algorithm(config, spec) -> None:
-    """``replica.algorithm_params`` without ``replica.algorithm`` apply to the model's own default."""
+    """``replica.algorithm_params`` without ``replica.algorithm`` apply to the model's own
+    default; a default that decodes several blocks at once needs a model that can (D2F)."""
     from algorithms import AlgorithmError, get_algorithm
     from cluster.config import ConfigError
-    from replicas.engine_config import resolve_algorithm
+    from replicas import block_pipeline
+    from replicas.engine_config import ServingShape, resolve_algorithm
 
+    name, params = resolve_algorithm(config.replica, spec)
     if config.replica.algorithm is None:
-        name, params = resolve_algorithm(config.replica, spec)
         try:
             get_algorithm(name).make_params(params)
         except AlgorithmError as exc:
             raise ConfigError(f"replica.algorithm_params (for the model's default {name}): {exc}") from None
+    try:
+        pipelined = get_algorithm(name).pipelined
+    except AlgorithmError as exc:
+        raise ConfigError(f"replica.algorithm: {exc}") from None
+    if pipelined:
+        problem = block_pipeline.refusal(name, spec, ServingShape.of(config.replica, spec), False, False)
+        if problem:
+            raise ConfigError(f"replica.algorithm: {problem}")
 
 
 def _check_pool_settings(replica, spec) -> None:

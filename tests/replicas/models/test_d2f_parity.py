@@ -94,3 +94,12 @@ def test_pipelined_decoding_is_refused_where_it_cannot_run(d2f_model):
     structured = replace(request, params=replace(request.params, regex="[0-9]+", ignore_eos=False))
     with pytest.raises(RequestError, match="does not take a structured output or logprobs"):
         d2f_engine(path, 4).make_request(structured)
+
+
+def test_up_refuses_d2f_as_the_default_of_a_model_that_cannot_run_it(d2f_model, capsys):
+    from tools.cli import main
+
+    path, _ = d2f_model
+    assert main(["up", "--model", str(path), "--algorithm", "d2f"]) == 2  # LLaDA as published: bidirectional
+    err = capsys.readouterr().err
+    assert "replica.algorithm: algorithm d2f decodes several blocks at once" in err and "Traceback" not in err
