@@ -1,5 +1,7 @@
-"""Two unmerged LoRA adapters and the base model served by one live cluster: each request is
-answered by its own weights, concurrent requests for all three share the replica's steps."""
+"""Two unmerged LoRA adapters and the base model served by one live cluster (LLaDA as D2F
+serves it: block-causal, the prompt one block): each request is answered by its own weights,
+concurrent requests for all three share the replica's steps, and an adapter's D2F request
+streams the blocks it decodes several at a time."""
 
 import asyncio
 
@@ -14,6 +16,8 @@ from tests.replicas.models.checkpoint_builders import write_checkpoint
 from tests.replicas.models.test_lora import checkpoint_weights, write_adapter
 
 PROMPTS = ["def add(a, b):\n", "你好 🙂, what is 2 + 3?", "The cat sat on", "import numpy as np\n"]
+OVERRIDES = {"attention": "block_causal_whole_prompt", "block_length": 8}
+D2F = {"block_add_threshold": 0.1, "decoded_token_threshold": 0.5, "skip_threshold": 0.03}
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +28,8 @@ def served(tmp_path_factory):
     adapters = {"alpha": tmp_path_factory.mktemp("alpha"), "beta": tmp_path_factory.mktemp("beta")}
     write_adapter(adapters["alpha"], {name: weights[name].shape for name in layers[::2]}, rank=4, alpha=8)
     write_adapter(adapters["beta"], {name: weights[name].shape for name in layers[1::2]}, rank=2, alpha=8)
-    replica = {"max_batch": 8, "torch_threads": 1, "adapters": {k: str(v) for k, v in adapters.items()}}
+    replica = {"max_batch": 8, "torch_threads": 1, "adapters": {k: str(v) for k, v in adapters.items()},
+               "model_overrides": OVERRIDES}
     running = start_cluster(tmp_path_factory.mktemp("adapters-up"), {"model": str(path), "replica": replica})
     yield path, adapters, running
     stop_cluster(running.process)
@@ -50,7 +55,8 @@ def test_each_request_is_answered_by_its_adapters_weights(served):
     params = SamplingParams(max_tokens=16, ignore_eos=True, algorithm_params={"temperature": 0.0})
     offline = {}
     for model, lora in ((base, None), ("alpha", adapters["alpha"]), ("beta", adapters["beta"])):
-        engine = Engine.from_pretrained(str(path), EngineConfig(max_batch=8, lora=lora and str(lora)))
+        engine = Engine.from_pretrained(str(path), EngineConfig(max_batch=8, lora=lora and str(lora),
+                                                                model_overrides=OVERRIDES))
         offline[model] = [chunk.text for chunk in engine.generate(PROMPTS, params)]
     assert [answer.choices[0].text for answer in answers] == [offline[model][PROMPTS.index(prompt)]
                                                               for model, prompt in asked]
@@ -60,6 +66,17 @@ def test_each_request_is_answered_by_its_adapters_weights(served):
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "model_not_found" and "'alpha', 'beta'" in unknown.json()["error"]["message"]
     assert httpx.get(running.base_url + "/v1/models/beta", timeout=30).json()["parent"] == base
-    d2f = httpx.post(running.base_url + "/v1/completions", timeout=30, json={
-        "model": "alpha", "prompt": "hi", "algorithm": "d2f"})  # this LLaDA is bidirectional: no blocks ahead
-    assert d2f.status_code == 400 and d2f.json()["error"]["param"] == "algorithm"
+
+
+def test_an_adapters_d2f_request_streams_its_blocks_in_order(served):
+    path, adapters, running = served
+    client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(model="alpha", prompt=PROMPTS[1], max_tokens=32, stream=True,
+                                       extra_body={"ignore_eos": True, "algorithm": "d2f", "algorithm_params": D2F})
+    events = [event.choices[0] for event in stream]
+    engine = Engine.from_pretrained(str(path), EngineConfig(max_batch=8, lora=str(adapters["alpha"]),
+                                                            model_overrides=OVERRIDES))
+    [offline] = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=32, ignore_eos=True, algorithm="d2f",
+                                                             algorithm_params=D2F))
+    assert "".join(event.text for event in events) == offline.text
+    assert offline.steps < 32 and events[-1].finish_reason == "length"  # several tokens a forward

@@ -124,6 +124,9 @@ def test_tool_calls_with_the_openai_client(llada):
     with pytest.raises(openai.BadRequestError, match="'auto' is not supported") as refused:
         client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=8)
     assert refused.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError, match="needs a block-causal model") as refused:  # LLaDA as published
+        client.completions.create(model=model, prompt="hi", max_tokens=8, extra_body={"algorithm": "d2f"})
+    assert refused.value.body["param"] == "algorithm"
 
 
 def test_a_rank_killed_under_load_takes_its_replica_down_and_its_requests_finish(llada):
