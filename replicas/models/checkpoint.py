@@ -141,9 +141,8 @@ def _read_state(path: Path, net: nn.Module, dtype: torch.dtype, device: str,
                 lora: str | Path | None, tp: TensorParallel = SINGLE) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, LoRA merged, under our parameter names; with
     ``tp``, only this rank's part of each (``replicas.models.parallel.shard_of``), read as
-    such from the files."""
-    if lora and tp.size > 1:
-        raise LoraError("a LoRA adapter with tensor parallelism is not supported yet; merge it into the checkpoint")
+    such from the files, and merged with its part of the LoRA delta (B's rows of a column
+    split, A's columns of a row split)."""
     scale, deltas = read_adapter(lora) if lora else (0.0, {})
     qkv = experts = None
     if tp.size > 1:  # a decoder stack (``_build`` refuses the others)
@@ -162,6 +161,7 @@ def _read_state(path: Path, net: nn.Module, dtype: torch.dtype, device: str,
                 if tied and name == "lm_head.weight":
                     continue  # a tied head is the embedding; some checkpoints store a copy
                 ours = our_name(net, name)
+                shard = None
                 if tp.size == 1:
                     tensor = f.get_tensor(name)
                 else:
@@ -169,16 +169,26 @@ def _read_state(path: Path, net: nn.Module, dtype: torch.dtype, device: str,
                     shape = tuple(piece.get_shape())
                     shard = shard_of(ours, shape, tp, qkv, experts)
                     if shard is None:
-                        continue  # another rank's
+                        unused.discard(name)  # another rank's (and its adapter delta's)
+                        continue
                     tensor = shard.read(piece, len(shape)) if shard.ranges else f.get_tensor(name)
                 if name in deltas:
-                    tensor = merge_delta(tensor, *deltas[name], scale)
+                    tensor = merge_delta(tensor, *_delta_share(deltas[name], shard), scale)
                     unused.discard(name)
                 state[ours] = tensor.to(
                     device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
     if unused:
         raise LoraError(f"LoRA adapter {lora} targets parameters the checkpoint lacks: {sorted(unused)[:5]}")
     return state
+
+
+def _delta_share(pair: tuple[torch.Tensor, torch.Tensor], shard) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LoRA (A, B) whose product is a rank's ``shard`` of the whole delta B @ A (None or
+    no ranges: all of it)."""
+    a, b = pair
+    if shard is None or not shard.ranges:
+        return a, b
+    return (a, shard.read(b, 2)) if shard.dim == 0 else (shard.read(a, 2), b)
 
 
 def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -274,9 +284,6 @@ def check_checkpoint(model: str | Path, lora: str | Path | None = None, override
         except ShardingError as exc:
             raise CheckpointError(str(exc)) from exc
         _build(path, overrides, tp)
-        if lora:
-            raise CheckpointError("a LoRA adapter with tensor parallelism is not supported yet; merge it into "
-                                  "the checkpoint")
     weight_files(path)
     _check_tokenizer_files(path)
     if lora:

@@ -15,6 +15,7 @@ from replicas.messages import SamplingParams
 from replicas.models.checkpoint import CheckpointError, check_checkpoint, load_model, load_tokenizer
 from replicas.models.parallel import TensorParallel
 from tests.replicas.models.checkpoint_builders import CHECKPOINTS, OVERRIDES, write_checkpoint
+from tests.replicas.models.test_lora import checkpoint_weights, write_adapter
 from tools.bench.local_ranks import on_ranks
 
 TOKENS = torch.tensor([[5, 17, 42, 99, 3, 250, 250, 250, 250, 7, 8, 9], [11, 12, 13, 14, 250, 250, 250, 250, 1, 2, 3, 4]])
@@ -75,6 +76,35 @@ def test_two_ranks_give_the_logits_and_the_answers_of_one(tmp_path, arch, expert
     if first["experts"]:  # whole experts split between the ranks, or a slice of every expert on each
         assert all(a.isdisjoint(b) if expert_size is None else a == b
                    for a, b in zip(first["experts"], second["experts"], strict=True))
+
+
+def logits_on_rank(tp: TensorParallel, checkpoint: Path, arch: str, lora: Path) -> torch.Tensor:
+    """One rank's logits of ``TOKENS`` with the LoRA adapter ``lora`` merged into its share."""
+    net = load_model(checkpoint, overrides=OVERRIDES[arch], tp=tp, lora=lora)
+    positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
+    mask = torch.ones(TOKENS.shape[0], 1, TOKENS.shape[1], TOKENS.shape[1], dtype=torch.bool)
+    with torch.inference_mode():
+        return net(TOKENS, positions, DenseAttentionContext(mask))
+
+
+def test_a_merged_lora_adapter_splits_with_the_weights(tmp_path):
+    """Each rank merges its part of the delta (B's rows where the layer splits by rows of its
+    output, A's columns where it splits by its input): the logits of the whole merged model."""
+    arch = "LLaDAModelLM"
+    checkpoint = write_checkpoint(tmp_path / arch, arch)
+    weights = checkpoint_weights(checkpoint)
+    targets = [f"model.transformer.blocks.{i}.{m}.weight" for i in (0, 1) for m in ("q_proj", "attn_out", "ff_proj", "ff_out")]
+    write_adapter(tmp_path / "adapter", {name: weights[name].shape for name in targets})
+    alone = logits_on_rank(TensorParallel(0, 1), checkpoint, arch, tmp_path / "adapter")
+    plain = load_model(checkpoint, overrides=OVERRIDES[arch])
+    positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
+    mask = torch.ones(TOKENS.shape[0], 1, TOKENS.shape[1], TOKENS.shape[1], dtype=torch.bool)
+    with torch.inference_mode():
+        assert (plain(TOKENS, positions, DenseAttentionContext(mask)) - alone).abs().max() > 1e-2  # it matters
+    scale = alone.abs().max()
+    for logits in on_ranks(2, logits_on_rank, checkpoint, arch, tmp_path / "adapter"):
+        assert (logits - alone).abs().max() <= 1e-5 * scale
+    check_checkpoint(checkpoint, lora=tmp_path / "adapter", overrides=OVERRIDES[arch], tensor_parallel_size=2)
 
 
 def test_a_model_that_does_not_split_is_refused_with_the_reason_before_anything_starts(tmp_path):
