@@ -21,6 +21,12 @@ and prefills them after its prompt. A request whose blocks are aligned to the se
 start (``Request.aligned``) prefills the whole pages of prompt + resumed output, and its
 first block starts with the rest (``Request.head``).
 
+Pipelined decoding (``DllmAlgorithm.pipelined``: D2F): a row also steps the blocks decoded
+ahead of its active one (``Request.ahead``, each a block unit of the row's forward, its page
+taken from the reservation as it joins; ``replicas.block_pipeline`` says when one joins and
+which are complete); an ahead block becomes the active block when the one before it
+commits, so commits, streaming and the prefix cache stay in block order.
+
 Every wait (fixed_fill's fill timeout, fdfo's hold for arrivals) is decided on ``clock``,
 so a test can run the scheduler on virtual time.
 """
