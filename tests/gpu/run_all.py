@@ -13,7 +13,7 @@ numpy, pydantic and pytest):
    the pool (pages, GiB, max_model_len, the profiled step's peak), load and warm-up seconds,
    tokens/s, compute ratio, host time per step, and the device's peak memory against the budget.
 3. ``steps`` — engine step timings of SDAR-1.7B at batch 1/8/16/32 (``check_cuda.time_steps``).
-4. ``bench`` — ``bench forward`` and ``bench engine`` on the device.
+4. ``bench`` — ``bench forward``, ``bench engine`` and ``bench d2f`` on the device.
 
 Prints one table at the end; each section's figures also go to ``DIR/report.json`` as soon
 as they are measured (a run cut short keeps what it had). A section that fails is reported
@@ -197,9 +197,11 @@ LLADA_BENCH = dict(d_model=2048, layers=16, heads=16, mlp=5632)  # LLADA_1B's sh
 
 
 def run_bench(run: Run) -> None:
-    """``bench forward`` (project against reference forward, 1B-class LLaDA and SDAR) and
+    """``bench forward`` (project against reference forward, 1B-class LLaDA and SDAR),
     ``bench engine`` (fdfo / sync / static on the tiny task, each forward paced by
-    SDAR-1.7B's, see ``tools.bench.engine``), on the device."""
+    SDAR-1.7B's, see ``tools.bench.engine``) and ``bench d2f`` (D2F's pipelined decoding
+    against one block at a time, a 1B-class random LLaDA), on the device."""
+    from tools.bench.d2f import bench_d2f
     from tools.bench.engine import bench_engine
     from tools.bench.forward import bench_forward
 
@@ -210,11 +212,17 @@ def run_bench(run: Run) -> None:
         run.free()
         run.record("bench", "engine", bench_engine(num_requests=32, max_batch=8, rounds=1,
                                                    paced_by=dict(hidden=64, layers=2, heads=4, vocab=512)))
+        run.record("bench", "d2f", bench_d2f((1, 4), rounds=1, requests=4, checkpoints=("random",), d_model=64,
+                                             layers=1, block_length=8, max_tokens=32))
         return
     run.record("bench", "forward", bench_forward(("llada", "sdar"), (1, 8, 32), rounds=2, device="cuda",
                                                  llada=LLADA_BENCH, sdar=SDAR_BENCH))
     run.free()
     run.record("bench", "engine", bench_engine(max_batch=64, rounds=2, device="cuda", paced_by=SDAR_BENCH))
+    run.free()
+    run.record("bench", "d2f", bench_d2f((1, 32), rounds=1, requests=32, checkpoints=("random",),
+                                         d_model=LLADA_BENCH["d_model"], layers=LLADA_BENCH["layers"], max_tokens=64,
+                                         device="cuda"))
     run.free()
 
 

@@ -101,7 +101,8 @@ def cmd_bench(args) -> int:
         thresholds = {"block_add_threshold": args.block_add_threshold,
                       "decoded_token_threshold": args.decoded_token_threshold, "skip_threshold": args.skip_threshold}
         result = bench_d2f(tuple(args.batch_sizes), args.rounds, args.requests, thresholds, tuple(args.checkpoints),
-                           args.d_model, args.layers, max_tokens=args.max_tokens)
+                           args.d_model, args.layers, max_tokens=args.max_tokens, device=args.device,
+                           dtype=args.dtype)
     elif args.target == "adapters":
         from tools.bench.adapters import bench_adapters
 
@@ -227,6 +228,7 @@ def add_engine_benches(targets) -> None:
     d2f.add_argument("--d-model", type=int, default=512, help="random LLaDA's hidden size (default 512)")
     d2f.add_argument("--layers", type=int, default=8, help="random LLaDA's layers (default 8)")
     d2f.add_argument("--max-tokens", type=int, default=128, help="random LLaDA's answer tokens (default 128)")
+    _add_device_options(d2f)
     d2f.add_argument("--json", action="store_true", help="one JSON object on one line")
     d2f.set_defaults(func=cmd_bench)
 

@@ -29,6 +29,7 @@ from replicas.messages import SamplingParams
 from replicas.models import load_model, load_tokenizer
 from replicas.tiny import task
 from tools.bench.canvas import IdsOnly, random_llada
+from tools.bench.device import BenchDevice
 from tools.bench.evaluation import score
 
 SETTINGS = ("plain", "d2f")
@@ -71,10 +72,11 @@ def _compare(engine_for, prompts: list, params: dict[str, SamplingParams], batch
 
 def bench_d2f(batch_sizes=(1, 16), rounds: int = 3, requests: int = 32, thresholds: dict | None = None,
               checkpoints=("tiny", "random"), d_model: int = 512, layers: int = 8, block_length: int = 32,
-              max_tokens: int = 128) -> dict:
+              max_tokens: int = 128, device: str = "cpu", dtype: str | None = None) -> dict:
+    place = BenchDevice(device, dtype)
     thresholds = {"block_add_threshold": 0.1, "decoded_token_threshold": 0.5, "skip_threshold": 0.9,
                   **(thresholds or {})}
-    report = {"thresholds": thresholds, "rounds": rounds}
+    report = {"thresholds": thresholds, "rounds": rounds, **place.report()}
 
     def params(max_tokens: int, ignore_eos: bool) -> dict[str, SamplingParams]:
         plain = {**thresholds, "block_add_threshold": 1.0}
@@ -85,15 +87,17 @@ def bench_d2f(batch_sizes=(1, 16), rounds: int = 3, requests: int = 32, threshol
     if "tiny" in checkpoints:
         net, tokenizer = load_model("tiny"), load_tokenizer("tiny")
         held_out = list(task.heldout_requests()[:requests])
-        report["tiny"] = _compare(lambda batch: Engine(net, tokenizer, EngineConfig(max_batch=batch)),
+        report["tiny"] = _compare(lambda batch: Engine(net, tokenizer, EngineConfig(max_batch=batch, device=device,
+                                                                                   dtype=dtype)),
                                   [r.prompt for r in held_out], params(task.MAX_TOKENS, False), batch_sizes, rounds,
                                   graded=lambda outputs: score(held_out, outputs)["request_accuracy"])
     if "random" in checkpoints:
         net = random_llada(d_model=d_model, layers=layers, heads=max(1, d_model // 64), mlp=int(d_model * 2.75),
-                           vocab=32000)
+                           vocab=32000, device=device, dtype=place.torch_dtype)
         net.spec = dataclasses.replace(net.spec, attention="block_causal_whole_prompt", block_length=block_length)
         prompts = [[1 + (i * 37 + r * 101) % 30000 for i in range(64)] for r in range(requests)]
         report["random"] = _compare(
-            lambda batch: Engine(net, IdsOnly(), EngineConfig(max_batch=batch, fdfo_fill_hold=False, max_model_len=512)),
+            lambda batch: Engine(net, IdsOnly(), place.engine_config(net.spec, max_batch=batch, fdfo_fill_hold=False,
+                                                                     max_model_len=512)),
             prompts, params(max_tokens, True), batch_sizes, rounds)
     return report
