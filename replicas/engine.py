@@ -132,7 +132,7 @@ class Engine:
         tp = getattr(model, "tp", SINGLE)
         if tp.size > 1:  # the other ranks run each forward with it (``follow_as_rank``)
             self.runner.broadcast = ForwardBroadcast(tp, device)
-        self.adapters = self._serve_adapters(config, tp)
+        self.adapters = self._serve_adapters(config)
         self.executor = StepExecutor(self.runner, self.rows, spec.mask_token_id, config.fused_commit)
         self.cost_model = OnlineCostModel(config.max_batch, clock=clock)
         self.outputs = OutputProcessor(tokenizer, spec.end_token_ids)
@@ -151,12 +151,10 @@ class Engine:
         self.failed_steps_in_a_row = 0
         self._kept_algorithm = functools.lru_cache(maxsize=ALGORITHM_CHOICES_KEPT)(self._resolve_algorithm)
 
-    def _serve_adapters(self, config: EngineConfig, tp: TensorParallel) -> ResidentAdapters | None:
+    def _serve_adapters(self, config: EngineConfig) -> ResidentAdapters | None:
         """The unmerged adapters' bank on the model, where ``config.adapters`` names any."""
         if not config.adapters:
             return None
-        if config.lora or tp.size > 1:
-            raise ValueError("unmerged adapters are served without lora (merged) and without tensor parallelism")
         bank = enable_adapters(self.model)
         self.runner.adapters = bank
         return ResidentAdapters(bank, config.adapters, config.max_adapters, functools.partial(our_name, self.model))

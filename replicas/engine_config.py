@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 from replicas.batching import SchedulerMode
 from replicas.request_cost import max_request_cost
@@ -113,6 +113,12 @@ class EngineConfig(BaseModel):
                           "from the per-model defaults table)")
     algorithm_params: dict[str, Any] = Field(
         default_factory=dict, description="parameters of that default algorithm, e.g. {threshold: 0.9}")
+
+    @model_validator(mode="after")
+    def _adapters_alone(self) -> EngineConfig:
+        if self.adapters and (self.lora or self.tensor_parallel_size > 1):
+            raise ValueError("adapters (unmerged) are served without lora (merged) and with tensor_parallel_size 1")
+        return self
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,7 @@ class PrefixCache:
 
     def _children_of(self, run: CachedRun | None, tree: str | None) -> dict[Key, CachedRun]:
         """The runs that continue ``run``, by their first page's tokens (None: ``tree``'s first)."""
-        return (self._roots.get(tree) or self._roots.setdefault(tree, {})) if run is None else run.children
+        return self._roots.setdefault(tree, {}) if run is None else run.children
 
     def _split(self, run: CachedRun, at: int) -> CachedRun:
         """Split ``run`` after its first ``at`` pages; the new run of those, which its

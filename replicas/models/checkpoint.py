@@ -292,17 +292,15 @@ def check_checkpoint(model: str | Path, lora: str | Path | None = None, override
         except LoraError as exc:
             raise CheckpointError(str(exc)) from exc
     if adapters:
-        _check_adapters(net, adapters, bool(lora), tensor_parallel_size)
+        _check_adapters(net, adapters)
     return net.spec
 
 
-def _check_adapters(net: nn.Module, adapters: dict[str, str], merged: bool, tensor_parallel_size: int) -> None:
+def _check_adapters(net: nn.Module, adapters: dict[str, str]) -> None:
     """Raise CheckpointError, naming the adapter and the module, for an unmerged adapter
     ``net`` (on the meta device) cannot take."""
     from replicas.adapters import enable_adapters
 
-    if merged or tensor_parallel_size > 1:
-        raise CheckpointError("unmerged adapters are served without lora (merged) and without tensor parallelism")
     try:
         bank = enable_adapters(net)
     except ValueError as exc:

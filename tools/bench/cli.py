@@ -139,6 +139,13 @@ def _bench_quality(args) -> int:
     return 0
 
 
+def _add_shape_options(parser, d_model: int, layers: int, whose: str = "") -> None:
+    """``--d-model`` and ``--layers`` of a bench's random model (``whose``: which, where it has several)."""
+    parser.add_argument("--d-model", type=int, default=d_model, help=f"{whose}hidden size (default {d_model})")
+    parser.add_argument("--layers", type=int, default=layers,
+                        help=f"{whose or 'transformer '}layers (default {layers})")
+
+
 def _add_device_options(target) -> None:
     target.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the engine runs (default cpu)")
     target.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -207,8 +214,7 @@ def add_engine_benches(targets) -> None:
         "canvas", help="full canvas (dual cache) vs block canvas tokens/s on a random 1B-class LLaDA")
     _add_workload_options(canvas, batch_sizes=[1, 16], steps=8, rounds=2,
                           rounds_help="rounds of both canvases in alternating order; ratios are medians")
-    canvas.add_argument("--d-model", type=int, default=2048, help="hidden size (default 2048)")
-    canvas.add_argument("--layers", type=int, default=16, help="transformer layers (default 16)")
+    _add_shape_options(canvas, d_model=2048, layers=16)
     canvas.add_argument("--json", action="store_true", help="one JSON object on one line")
     canvas.set_defaults(func=cmd_bench)
 
@@ -225,8 +231,7 @@ def add_engine_benches(targets) -> None:
     d2f.add_argument("--block-add-threshold", type=float, default=0.1, help="(default 0.1, the published math setting)")
     d2f.add_argument("--decoded-token-threshold", type=float, default=0.5, help="(default 0.5)")
     d2f.add_argument("--skip-threshold", type=float, default=0.9, help="(default 0.9, the published evaluation's)")
-    d2f.add_argument("--d-model", type=int, default=512, help="random LLaDA's hidden size (default 512)")
-    d2f.add_argument("--layers", type=int, default=8, help="random LLaDA's layers (default 8)")
+    _add_shape_options(d2f, d_model=512, layers=8, whose="random LLaDA's ")
     d2f.add_argument("--max-tokens", type=int, default=128, help="random LLaDA's answer tokens (default 128)")
     _add_device_options(d2f)
     d2f.add_argument("--json", action="store_true", help="one JSON object on one line")
@@ -240,8 +245,7 @@ def add_engine_benches(targets) -> None:
                     "the median step time over the plain engine's, rounds alternating.")
     _add_workload_options(adapters, batch_sizes=[1, 16], steps=8, rounds=3,
                           rounds_help="rounds of the four ways in alternating order; ratios are medians")
-    adapters.add_argument("--d-model", type=int, default=512, help="hidden size (default 512)")
-    adapters.add_argument("--layers", type=int, default=8, help="transformer layers (default 8)")
+    _add_shape_options(adapters, d_model=512, layers=8)
     adapters.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
     adapters.add_argument("--rank", type=int, default=16, help="the adapters' rank (default 16)")
     adapters.add_argument("--adapters", type=int, default=4, help="adapters the mixed batch spreads over (default 4)")
@@ -257,8 +261,7 @@ def add_engine_benches(targets) -> None:
                     "rounds, and the collectives' share of the step.")
     tp.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (default: 1 2)")
     _add_workload_options(tp, batch_sizes=[1, 16], steps=4, rounds=3, rounds_help="timed runs per setting; medians")
-    tp.add_argument("--d-model", type=int, default=512, help="hidden size (default 512)")
-    tp.add_argument("--layers", type=int, default=8, help="transformer layers (default 8)")
+    _add_shape_options(tp, d_model=512, layers=8)
     tp.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
     tp.add_argument("--mlp", type=int, default=1376, help="MLP width (default 1376)")
     tp.add_argument("--vocab", type=int, default=320, help="vocabulary (default 320)")

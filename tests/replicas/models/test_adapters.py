@@ -137,6 +137,8 @@ def test_up_takes_named_adapters_and_refuses_one_that_does_not_fit_before_starti
     assert "Traceback" not in err
     with pytest.raises(SystemExit, match="serve several unmerged as --lora NAME=DIR"):
         up_config(build_parser().parse_args(["up", "--lora", "/a", "--lora", "/b"]))
+    assert main(argv[:3] + ["--lora", f"good={tmp_path / 'good'}", "--lora", str(tmp_path / "good")]) == 2
+    assert "served without lora (merged)" in capsys.readouterr().err
 
 
 def test_the_prefix_cache_keeps_each_adapters_kv_apart(checkpoint_dir, tmp_path):

@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 OUT_PATH = HERE / "d2f_fixtures.json"
 BUILDERS_DIR = HERE.parent  # tests/replicas/models, home of checkpoint_builders.py
 sys.path.insert(0, str(HERE))
-from make_fixtures import MASK, EOS, sha256_file  # noqa: E402  (helpers only; no published code there)
+from make_fixtures import MASK, EOS, sha256_file, Recorder as ForwardRecorder  # noqa: E402  (helpers only; no published code there)
 
 REPO, COMMIT = "zhijie-group/Discrete-Diffusion-Forcing", "771f745f6770230dd6ea6a283519b31c5d57e6ed"
 SOURCES = {
@@ -238,15 +238,9 @@ def prepare(tmp: Path, seed: int, adapter_seed: int, builders):
     return ckpt, model_dir, adapter_dir, wsha, tensors_sha256(tensors)
 
 
-class Recorder:
+class Recorder(ForwardRecorder):
     """Wraps the base LLaDAModelLM's forward (instance attribute: PeftModel.forward calls
-    get_base_model()(...), which goes through it)."""
-
-    def __init__(self, model):
-        self.calls = []
-        self.model = model
-        self.inner = model.forward
-        model.forward = self
+    get_base_model()(...), which goes through it), recording D2F's cache arguments."""
 
     def __call__(self, *args, **kwargs):
         out = self.inner(*args, **kwargs)
@@ -261,9 +255,6 @@ class Recorder:
             attention_bias=None if bias is None else bias.detach().clone(),
             logits=out.logits.detach().clone()))
         return out
-
-    def detach(self):
-        self.model.forward = self.inner
 
 
 # --------------------------------------------------------------------------------------------
