@@ -68,13 +68,29 @@ def span_groups(spans: int, key_width: int, group_keys: int) -> list[tuple[int, 
     return [(start, min(start + size, spans)) for start in range(0, spans, size)]
 
 
+@dataclass
+class QueryPlacement:
+    """Where queries go in ``PagedAttentionContext``'s padded SDPA: the spans holding one
+    (``spans``; None: every span), each padded to ``length`` queries; ``pad_index``: each
+    query's slot in ``[spans x length]``, None where they fill it in order."""
+
+    spans: torch.Tensor | None
+    length: int
+    pad_index: torch.Tensor | None
+
+
 class PagedAttentionContext:
     """Torch SDPA over gathered pages, one attention row per span, its queries padded to
-    the longest span's (CPU and fallback)."""
+    the longest span's (CPU and fallback).
+
+    ``kept`` (host ``[K]``, the model's ``logits_index``): the tokens whose outputs the
+    last layer keeps; given it, that layer may ask for the kept tokens' queries only
+    (``attend(..., kept_queries=True)``): every token's K and V are still written and read."""
 
     def __init__(self, layout: BatchLayout, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-                 page_size: int):
+                 page_size: int, kept: torch.Tensor | None = None):
         device = k_cache[0].device
+        self.device = device
         self.k_cache = k_cache
         self.v_cache = v_cache
         self.cache_positions = to_device(layout.cache_positions, device)
@@ -86,10 +102,15 @@ class PagedAttentionContext:
         # when every span is as long as the longest (denoise-only steps: whole pages) the
         # packed queries already have the padded shape and need no scatter/gather
         self.pad_index = None
+        self.counts = counts
         if span_start[-1] != self.spans * self.span_length:  # (no span is longer)
             token_span = np.repeat(np.arange(self.spans), counts)
             offset = np.arange(span_start[-1]) - span_start[token_span]
             self.pad_index = to_device(torch.from_numpy(token_span * self.span_length + offset), device)
+        self.placement = QueryPlacement(None, self.span_length, self.pad_index)  # every token's queries
+        self.kept = None if kept is None else kept.numpy()
+        self.narrows_queries = kept is not None
+        self._kept_placement: QueryPlacement | None = None
         self.keys_are_queries = layout.keys_are_queries
         # nothing reads the new K/V back: neither this step (its own keys) nor a later one
         self.writes = layout.cache_kept or not layout.keys_are_queries
@@ -99,37 +120,65 @@ class PagedAttentionContext:
         else:
             self.mask = to_device(layout.key_valid.reshape(self.spans, 1, 1, -1), device)  # [A, 1, 1, Kmax]
         _, kv_heads, head_dim = k_cache[0].shape
-        self.groups = span_groups(self.spans, layout.key_cache_positions.shape[1],
-                                  keys_per_group(kv_heads, head_dim, k_cache[0].dtype, device))
+        self.group_keys = keys_per_group(kv_heads, head_dim, k_cache[0].dtype, device)
+        self.groups = span_groups(self.spans, layout.key_cache_positions.shape[1], self.group_keys)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q[T, H, D]``, ``k``/``v[T, Hkv, D]`` -> ``[T, H, D]``."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kept_queries: bool = False) -> torch.Tensor:
+        """``q[T, H, D]``, ``k``/``v[T, Hkv, D]`` -> ``[T, H, D]``; ``kept_queries``: ``q`` is
+        the kept tokens' (``[K, H, D]``, in ``kept``'s order), and so is the output."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         if self.writes:
             k_cache.index_copy_(0, self.cache_positions, k.to(k_cache.dtype))
             v_cache.index_copy_(0, self.cache_positions, v.to(v_cache.dtype))
-        spans, length = self.spans, self.span_length
-        heads, dim = q.shape[1], q.shape[2]
-        padded = self._padded(q)
-        if self.keys_are_queries:
-            keys, values = self._padded(k), self._padded(v)
-            out = F.scaled_dot_product_attention(padded, keys, values, attn_mask=self.mask,
-                                                 enable_gqa=heads != keys.shape[1])
-        elif len(self.groups) == 1:
-            out = self._attend_spans(padded, k_cache, v_cache, self.key_cache_positions, self.mask)
-        else:
-            out = torch.cat([self._attend_spans(padded[a:b], k_cache, v_cache, self.key_cache_positions[a:b],
-                                                self.mask[a:b]) for a, b in self.groups])
-        out = out.transpose(1, 2).reshape(spans * length, heads, dim)
-        return out if self.pad_index is None else out[self.pad_index]
+        if not q.shape[0]:  # no query: a step of prompt chunks alone keeps no token
+            return q
+        place = self.kept_placement() if kept_queries else self.placement
+        spans = self.spans if place.spans is None else place.spans.numel()
+        out = self._attend_keys(layer, _padded(q, place.pad_index, spans, place.length), k, v, place.spans)
+        out = out.transpose(1, 2).reshape(spans * place.length, *q.shape[1:])
+        return out if place.pad_index is None else out[place.pad_index]
 
-    def _padded(self, x: torch.Tensor) -> torch.Tensor:
-        """``x[T, heads, D]`` as ``[spans, heads, span length, D]``, zeros where a span is shorter."""
-        if self.pad_index is not None:
-            padded = x.new_zeros(self.spans * self.span_length, *x.shape[1:])
-            padded[self.pad_index] = x
-            x = padded
-        return x.view(self.spans, self.span_length, *x.shape[1:]).transpose(1, 2)
+    def _attend_keys(self, layer: int, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     chosen: torch.Tensor | None) -> torch.Tensor:
+        """SDPA of the ``chosen`` spans' (None: every span's) padded queries over their keys."""
+        mask = self.mask if self.mask is None or chosen is None else self.mask[chosen]
+        if self.keys_are_queries:
+            keys, values = (_padded(x, self.pad_index, self.spans, self.span_length) for x in (k, v))
+            if chosen is not None:
+                keys, values = keys[chosen], values[chosen]
+            return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                                  enable_gqa=queries.shape[1] != keys.shape[1])
+        key_positions, groups = self.key_cache_positions, self.groups
+        if chosen is not None:
+            key_positions = key_positions[chosen]
+            groups = span_groups(key_positions.shape[0], key_positions.shape[1], self.group_keys)
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        parts = [self._attend_spans(queries[a:b], k_cache, v_cache, key_positions[a:b], mask[a:b]) for a, b in groups]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def kept_placement(self) -> QueryPlacement:
+        """Where the kept tokens' queries go (worked out once a forward, by the last layer):
+        the spans holding one, each padded to the most any of them holds."""
+        if self._kept_placement is None:
+            if self.kept is None:
+                raise ValueError("this attention context was given no kept tokens")
+            token_span = np.repeat(np.arange(self.spans), self.counts)
+            kept_span = token_span[self.kept]
+            per_span = np.bincount(kept_span, minlength=self.spans)
+            holding = np.flatnonzero(per_span)
+            length = int(per_span.max())
+            # each kept query's slot: its span's rank among the holding ones, then its rank in its span
+            order = np.argsort(kept_span, kind="stable")
+            first = np.cumsum(per_span) - per_span
+            slot = np.empty_like(order)
+            slot[order] = np.arange(order.size) - first[kept_span[order]]
+            pad_index = (np.cumsum(per_span > 0) - 1)[kept_span] * length + slot
+            in_order = pad_index.size == holding.size * length and bool((pad_index == np.arange(pad_index.size)).all())
+            self._kept_placement = QueryPlacement(
+                spans=None if holding.size == self.spans else to_device(torch.from_numpy(holding), self.device),
+                length=length, pad_index=None if in_order else to_device(torch.from_numpy(pad_index), self.device))
+        return self._kept_placement
 
     @staticmethod
     def _attend_spans(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -143,8 +192,20 @@ class PagedAttentionContext:
                                               attn_mask=mask, enable_gqa=queries.shape[1] != keys.shape[1])
 
 
+def _padded(x: torch.Tensor, pad_index: torch.Tensor | None, spans: int, length: int) -> torch.Tensor:
+    """``x[T, heads, D]`` as ``[spans, heads, length, D]``: token i at flat slot
+    ``pad_index[i]`` (None: in order, filling every slot), zeros in the slots none fills."""
+    if pad_index is not None:
+        padded = x.new_zeros(spans * length, *x.shape[1:])
+        padded[pad_index] = x
+        x = padded
+    return x.view(spans, length, *x.shape[1:]).transpose(1, 2)
+
+
 class DenseAttentionContext:
     """Plain SDPA over ``[B, S]`` sequences with an explicit mask (training)."""
+
+    narrows_queries = False
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask  # [B, 1, S, S] bool
@@ -161,6 +222,8 @@ class DenseAttentionContext:
 class FlashAttentionContext:
     """vllm-flash-attn varlen over the same layout (CUDA, fp16/bf16): each span's queries
     against its valid keys, gathered from the pages and packed without padding."""
+
+    narrows_queries = False  # its last layer computes every token's queries
 
     def __init__(self, layout: BatchLayout, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                  page_size: int):
@@ -214,7 +277,9 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
 
 
 def paged_context(backend: str, layout: BatchLayout, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-                  page_size: int):
-    """The one function model code's attention goes through: the resolved backend's context."""
-    cls = FlashAttentionContext if backend == "flash" else PagedAttentionContext
-    return cls(layout, k_cache, v_cache, page_size)
+                  page_size: int, kept: torch.Tensor | None = None):
+    """The one function model code's attention goes through: the resolved backend's context.
+    ``kept``: see ``PagedAttentionContext``."""
+    if backend == "flash":
+        return FlashAttentionContext(layout, k_cache, v_cache, page_size)
+    return PagedAttentionContext(layout, k_cache, v_cache, page_size, kept)

@@ -29,6 +29,7 @@ from algorithms import AlgorithmError, AlgorithmParams, DllmAlgorithm, get_algor
 from replicas import block_pipeline
 from replicas.adapters import Adapter, ResidentAdapters, enable_adapters
 from replicas.grammar import IGNORE_EOS_UNSTRUCTURED, Grammars
+from replicas.host_heap import keep_freed_memory
 from replicas.cost_model import OnlineCostModel
 from replicas.attention import resolve_backend
 from replicas.kv_cache import PagePool
@@ -72,8 +73,11 @@ def torch_dtype(config: EngineConfig) -> torch.dtype:
 def on_device_with_pool(model: torch.nn.Module, config: EngineConfig,
                         wanted: ServingShape) -> tuple[torch.nn.Module, PoolSize, KVCache]:
     """``model`` on the configured device and dtype, its pool's size and its pool (a
-    tensor-parallel rank's: its KV heads, as many pages as every rank has room for)."""
+    tensor-parallel rank's: its KV heads, as many pages as every rank has room for). On a CPU
+    the process's heap keeps what forwards free (``replicas.host_heap``)."""
     device, dtype, spec = torch.device(config.device), torch_dtype(config), model.spec
+    if device.type == "cpu":
+        keep_freed_memory()
     model = model.to(device=device, dtype=dtype).eval()
     memory = plan_pool(model, config, spec, wanted, resolve_backend(config.attention_backend, device, dtype),
                        refreshes_rows(spec, config.kv_cache))

@@ -171,10 +171,10 @@ def profile_step(model: torch.nn.Module, spec: ModelSpec, tokens: int, rows: int
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec.vocab_size, (tokens,), generator=generator).to(device)
     positions = torch.from_numpy(np.arange(tokens, dtype=np.int64) % max(key_width, 1)).to(device)
-    logits_index = torch.arange(min(rows * size, tokens), device=device)
+    kept = torch.arange(min(rows * size, tokens))
     with torch.inference_mode():
-        context = paged_context(backend, layout, scratch, scratch_v, size)
-        logits = model(ids, positions, context, logits_index)
+        context = paged_context(backend, layout, scratch, scratch_v, size, kept)
+        logits = model(ids, positions, context, kept.to(device))
         logits.float().max()  # as the step reads them: in float32
 
 
@@ -225,6 +225,7 @@ def plan_pool(model: torch.nn.Module, config: EngineConfig, spec: ModelSpec, wan
         return measure_peak(device, lambda: profile_step(model, spec, count, config.max_batch, key_width, backend,
                                                          device, dtype))
 
+    in_use = resident_bytes()  # on a CPU: before the profiled steps, whose freed memory the heap may keep
     try:
         peak = peak_at(tokens)
         # a refresh's peak grows with its tokens beyond the step's fixed part (its rows' logits):
@@ -243,7 +244,7 @@ def plan_pool(model: torch.nn.Module, config: EngineConfig, spec: ModelSpec, wan
         used, where = total - free, f"{device} of {total / GiB:.1f} GiB"
     else:
         _, total = host_memory()
-        used, where = resident_bytes(), f"this machine's {total / GiB:.1f} GiB"
+        used, where = in_use, f"this machine's {total / GiB:.1f} GiB"
     budget_bytes = int(utilization * total)
     left = budget_bytes - used
     pages = int((left - peak) // per_page)

@@ -260,10 +260,11 @@ class ModelRunner:
         if self.broadcast is not None:
             self.broadcast.send(input_ids, positions, layout, logits_index)
         timer = ForwardTimer(self.device)
-        context = paged_context(self.backend, layout, self.kv_cache.k, self.kv_cache.v, self.block_length)
+        kept = logits_index.view(-1)
+        context = paged_context(self.backend, layout, self.kv_cache.k, self.kv_cache.v, self.block_length, kept)
         try:
             logits = self.model(to_device(input_ids, self.device), to_device(positions, self.device), context,
-                                to_device(logits_index.view(-1), self.device))
+                                to_device(kept, self.device))
         finally:
             if self.adapters is not None:
                 self.adapters.end()

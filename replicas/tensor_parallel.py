@@ -90,8 +90,9 @@ def follow(model: torch.nn.Module, kv_cache: KVCache, backend: str, tp: TensorPa
                                  key_cache_positions=key_positions, key_valid=key_valid.bool(),
                                  span_length=header[1] or None, keys_are_queries=bool(header[2]),
                                  cache_kept=bool(header[3]))
-            context = paged_context(backend, layout, kv_cache.k, kv_cache.v, block_length)
-            model(input_ids.to(device), positions.to(device), context, logits_index.view(-1).to(device))
+            kept = logits_index.view(-1)
+            context = paged_context(backend, layout, kv_cache.k, kv_cache.v, block_length, kept)
+            model(input_ids.to(device), positions.to(device), context, kept.to(device))
             forwards += 1
 
 

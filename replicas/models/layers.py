@@ -29,6 +29,10 @@ class Rotation:
         self.signed_sin = sin  # [..., T, 1, rotary_dim]: -sin over the first half, sin over the second
         self.rotary_dim = rotary_dim
 
+    def select(self, index: torch.Tensor) -> "Rotation":
+        """The rotation of the tokens ``index`` (of a packed forward's)."""
+        return Rotation(self.cos[index], self.signed_sin[index], self.rotary_dim)
+
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., T, H, D]`` turned: ``x * cos + rotate_half(x) * sin``."""
         turned, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]

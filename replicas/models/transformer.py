@@ -99,14 +99,37 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotation: Rotation, context) -> torch.Tensor:
         q, k, v = self.project(x)
-        q = q.view(*x.shape[:-1], self.heads, self.head_dim)
-        k = k.view(*x.shape[:-1], self.kv_heads, self.head_dim)
-        v = v.view(*x.shape[:-1], self.kv_heads, self.head_dim)
+        return self._attend(q, k, v, rotation, rotation, context)
+
+    def forward_kept(self, x: torch.Tensor, keep: torch.Tensor, rotation: Rotation, context,
+                     on_keep: Callable[[], None]) -> torch.Tensor:
+        """The outputs of the packed tokens ``keep`` only: every token's K and V (written,
+        and attended to), the kept tokens' queries. ``on_keep`` runs once the K and V are
+        projected (from there on, the layer's projections see the kept tokens only)."""
+        if hasattr(self, "qkv_proj"):  # one projection: the queries are computed for every token
+            q, k, v = self.project(x)
+            on_keep()
+            q = q[keep]
+        else:
+            k, v = self.k_proj(x), self.v_proj(x)
+            on_keep()
+            q = self.q_proj(x[keep])
+        return self._attend(q, k, v, rotation.select(keep), rotation, context, kept_queries=True)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rotation: Rotation,
+                k_rotation: Rotation, context, kept_queries: bool = False) -> torch.Tensor:
+        """Heads, QK-norm, rotary, attention and the output projection of projected q, k, v."""
+        q = q.unflatten(-1, (self.heads, self.head_dim))
+        k = k.unflatten(-1, (self.kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.kv_heads, self.head_dim))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotation.rotate(q), rotation.rotate(k)
-        out = context.attend(self.layer_index, q, k, v)
-        return self.o_proj(out.reshape(*x.shape[:-1], -1))
+        q, k = q_rotation.rotate(q), k_rotation.rotate(k)
+        if kept_queries:
+            out = context.attend(self.layer_index, q, k, v, kept_queries=True)
+        else:
+            out = context.attend(self.layer_index, q, k, v)
+        return self.o_proj(out.flatten(-2))
 
 
 class DecoderLayer(nn.Module):
@@ -123,16 +146,25 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rotation: Rotation, context,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
-        """``keep``: the tokens whose outputs go on (the last layer's: those whose logits are
-        read); every token's K and V are still computed and written. Without autograd the
-        residual adds go into ``x``'s memory (one activation less to allocate a layer)."""
+        """``keep``: the packed tokens whose outputs go on (the last layer's: those whose
+        logits are read); every token's K and V are still computed and written. Where the
+        context can (``narrows_queries``) only the kept tokens' queries attend, else every
+        token's do and the kept ones go on to the MLP. Without autograd the residual adds go
+        into ``x``'s memory (one activation less to allocate a layer)."""
         add = torch.add if torch.is_grad_enabled() else torch.Tensor.add_
-        x = add(x, self.tp.all_reduce(self.self_attn(self.input_layernorm(x), rotation, context)))
-        if keep is not None:
-            x = x[keep]
-            if self.adapters is not None:
-                self.adapters.keep()
+        if keep is not None and context.narrows_queries:
+            attended = self.self_attn.forward_kept(self.input_layernorm(x), keep, rotation, context, self._keep)
+            x = add(x[keep], self.tp.all_reduce(attended))
+        else:
+            x = add(x, self.tp.all_reduce(self.self_attn(self.input_layernorm(x), rotation, context)))
+            if keep is not None:
+                x = x[keep]
+                self._keep()
         return add(x, self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x))))
+
+    def _keep(self) -> None:
+        if self.adapters is not None:
+            self.adapters.keep()
 
 
 class DecoderBody(nn.Module):

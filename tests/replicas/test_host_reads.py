@@ -4,9 +4,9 @@ step should read as little as it can. Counted on CPU through the patched tensor 
 while the engine steps a batch of 16; a new place that reads, or a place that reads more
 often than it does today, fails the test (and says where).
 
-Today a step reads at most six times, at the places below: once the step's results (the
-blocks' ids and flags, in one read, in ``StepExecutor.execute``), once the attention
-layout's unit starts, a host tensor (which waits for nothing), and where the algorithm
+Today a step reads at most seven times, at the places below: once the step's results (the
+blocks' ids and flags, in one read, in ``StepExecutor.execute``), twice the attention
+layout's host tensors (its unit starts and the kept tokens: they wait for nothing), and where the algorithm
 runs numpy on CPU tensors only (on a device they stay torch's and read nothing): the
 argmax (``algorithms.sampling.argmax_last``) or a greedy confidence rule's host path
 (``algorithms.confidence_rule``: the block, the logits and their softmax viewed as numpy
@@ -29,7 +29,7 @@ from replicas.engine import Engine, EngineConfig
 from replicas.tiny import task
 
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-READS_PER_STEP = {("replicas/executor.py", "execute"): 1, ("replicas/attention.py", "__init__"): 1,
+READS_PER_STEP = {("replicas/executor.py", "execute"): 1, ("replicas/attention.py", "__init__"): 2,
                   ("algorithms/sampling.py", "argmax_last"): 1,  # the places below: CPU tensors only
                   ("algorithms/confidence_rule.py", "step"): 1, ("algorithms/sampling.py", "greedy_on_host"): 2}
 ROOT = str(Path(__file__).resolve().parents[2]) + "/"
