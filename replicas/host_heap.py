@@ -4,8 +4,9 @@ A CPU forward allocates its activations (megabytes each) and frees them before t
 one. By default glibc gives such blocks back to the kernel (as separate mappings above
 its mmap threshold, and by trimming the heap's top once 128 KiB of it are free), and the
 next forward takes them back as fresh pages, each zeroed by the kernel on its first
-touch: 18,000-57,000 minor page faults a forward of a 25 M-parameter LLaDA at batches 1
-to 8, about a tenth of the forward's time on the project's 2-core VM (docs/benchmarks.md). With blocks up to the largest mmap threshold glibc allows taken
+touch: 3,000-6,000 minor page faults a forward of a 25 M-parameter LLaDA at batch 1,
+30,000-60,000 at batch 8, about a tenth of the forward's time on the project's 2-core VM
+(docs/benchmarks.md). With blocks up to the largest mmap threshold glibc allows taken
 from the heap, and the heap's free top kept, the same pages serve every forward.
 """
 
