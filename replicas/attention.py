@@ -89,8 +89,7 @@ class PagedAttentionContext:
 
     def __init__(self, layout: BatchLayout, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                  page_size: int, kept: torch.Tensor | None = None):
-        device = k_cache[0].device
-        self.device = device
+        self.device = device = k_cache[0].device
         self.k_cache = k_cache
         self.v_cache = v_cache
         self.cache_positions = to_device(layout.cache_positions, device)
