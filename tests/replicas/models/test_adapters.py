@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 
 from replicas.adapters import enable_adapters
 from replicas.attention import DenseAttentionContext
@@ -30,6 +29,8 @@ TARGETS = {"dense": (["q_proj", "v_proj", "down_proj"], ["k_proj", "o_proj", "ga
 
 def peft_adapter(net, path, modules, rank, seed):
     """Write a random PEFT adapter of ``net`` (B not zero) to ``path``; PEFT's merged model."""
+    from peft import LoraConfig, get_peft_model  # here: importing PEFT takes seconds, collecting the suite pays none
+
     torch.manual_seed(seed)
     adapted = get_peft_model(copy.deepcopy(net), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules,
                                                            init_lora_weights=False))
