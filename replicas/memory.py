@@ -225,7 +225,6 @@ def plan_pool(model: torch.nn.Module, config: EngineConfig, spec: ModelSpec, wan
         return measure_peak(device, lambda: profile_step(model, spec, count, config.max_batch, key_width, backend,
                                                          device, dtype))
 
-    in_use = resident_bytes()  # on a CPU: before the profiled steps, whose freed memory the heap may keep
     try:
         peak = peak_at(tokens)
         # a refresh's peak grows with its tokens beyond the step's fixed part (its rows' logits):
@@ -244,7 +243,9 @@ def plan_pool(model: torch.nn.Module, config: EngineConfig, spec: ModelSpec, wan
         used, where = total - free, f"{device} of {total / GiB:.1f} GiB"
     else:
         _, total = host_memory()
-        used, where = in_use, f"this machine's {total / GiB:.1f} GiB"
+        # (after the profiled steps: the memory they freed, which the heap keeps for the
+        # forwards to come, is counted beside their peak, a margin of up to one step)
+        used, where = resident_bytes(), f"this machine's {total / GiB:.1f} GiB"
     budget_bytes = int(utilization * total)
     left = budget_bytes - used
     pages = int((left - peak) // per_page)
