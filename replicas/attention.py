@@ -191,6 +191,15 @@ class PagedAttentionContext:
                                               attn_mask=mask, enable_gqa=queries.shape[1] != keys.shape[1])
 
 
+def kept_tokens(logits_index: torch.Tensor, tokens: int, shifted: bool) -> torch.Tensor | None:
+    """The packed tokens whose outputs a forward of ``tokens`` tokens keeps (host ``[K]``:
+    ``logits_index`` flat), or None where that is every token in order (unshifted reads of
+    every token, as a step of block units alone makes them: distinct, so the identity), and
+    the last layer has nothing to narrow or gather."""
+    kept = logits_index.view(-1)
+    return None if not shifted and kept.numel() == tokens else kept
+
+
 def _padded(x: torch.Tensor, pad_index: torch.Tensor | None, spans: int, length: int) -> torch.Tensor:
     """``x[T, heads, D]`` as ``[spans, heads, length, D]``: token i at flat slot
     ``pad_index[i]`` (None: in order, filling every slot), zeros in the slots none fills."""

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from replicas.attention import BatchLayout, paged_context, resolve_backend
+from replicas.attention import BatchLayout, kept_tokens, paged_context, resolve_backend
 from replicas.devices import to_device
 from replicas.step import ScheduledBatch
 from replicas.kv_cache import KVCache, PagePool
@@ -260,11 +260,11 @@ class ModelRunner:
         if self.broadcast is not None:
             self.broadcast.send(input_ids, positions, layout, logits_index)
         timer = ForwardTimer(self.device)
-        kept = logits_index.view(-1)
+        kept = kept_tokens(logits_index, input_ids.numel(), self.shift_logits)
         context = paged_context(self.backend, layout, self.kv_cache.k, self.kv_cache.v, self.block_length, kept)
         try:
             logits = self.model(to_device(input_ids, self.device), to_device(positions, self.device), context,
-                                to_device(kept, self.device))
+                                None if kept is None else to_device(kept, self.device))
         finally:
             if self.adapters is not None:
                 self.adapters.end()

@@ -20,7 +20,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from replicas.attention import BatchLayout, paged_context
+from replicas.attention import BatchLayout, kept_tokens, paged_context
 from replicas.kv_cache import KVCache
 from replicas.memory import PoolSize
 from replicas.models.parallel import TensorParallel
@@ -90,9 +90,9 @@ def follow(model: torch.nn.Module, kv_cache: KVCache, backend: str, tp: TensorPa
                                  key_cache_positions=key_positions, key_valid=key_valid.bool(),
                                  span_length=header[1] or None, keys_are_queries=bool(header[2]),
                                  cache_kept=bool(header[3]))
-            kept = logits_index.view(-1)
+            kept = kept_tokens(logits_index, input_ids.numel(), model.spec.shift_logits)  # as rank 0's runner
             context = paged_context(backend, layout, kv_cache.k, kv_cache.v, block_length, kept)
-            model(input_ids.to(device), positions.to(device), context, kept.to(device))
+            model(input_ids.to(device), positions.to(device), context, None if kept is None else kept.to(device))
             forwards += 1
 
 
